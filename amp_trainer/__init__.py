@@ -1,0 +1,53 @@
+"""amp-trainer: FP16 mixed-precision training for Hugging Face tools, made correct and observable.
+
+The public names are resolved lazily (PEP 562) so that ``import amp_trainer`` costs nothing and
+pulls in neither transformers nor accelerate until a name that needs them is used: a plain
+PyTorch loop that only wants :class:`DynamicLossScaler` never imports them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmpAccelerator",
+    "AmpTrainer",
+    "AmpTrainingArguments",
+    "DynamicLossScaler",
+    "export_fp16",
+    "install_scaler",
+    "keep_norms_in_fp32",
+]
+
+_WHERE = {
+    "DynamicLossScaler": "amp_trainer.scaler",
+    "keep_norms_in_fp32": "amp_trainer.precision",
+    "AmpAccelerator": "amp_trainer.accelerate_hooks",
+    "install_scaler": "amp_trainer.accelerate_hooks",
+    "AmpTrainer": "amp_trainer.trainer",
+    "AmpTrainingArguments": "amp_trainer.trainer",
+    "export_fp16": "amp_trainer.export",
+}
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from amp_trainer.accelerate_hooks import AmpAccelerator, install_scaler
+    from amp_trainer.export import export_fp16
+    from amp_trainer.precision import keep_norms_in_fp32
+    from amp_trainer.scaler import DynamicLossScaler
+    from amp_trainer.trainer import AmpTrainer, AmpTrainingArguments
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'amp_trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: the next lookup is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
