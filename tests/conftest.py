@@ -67,6 +67,8 @@ def make_tiny_gpt2(vocab_size: int = 128, seed: int = 0, **overrides):
         n_layer=2,
         n_head=4,
         n_positions=64,
+        bos_token_id=vocab_size - 1,
+        eos_token_id=vocab_size - 1,
         **overrides,
     )
     return GPT2LMHeadModel(config)
