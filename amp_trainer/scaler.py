@@ -1,0 +1,790 @@
+"""DynamicLossScaler: the FP16 loss scaler at the heart of amp-trainer.
+
+A drop-in for :class:`torch.amp.GradScaler` (same first arguments, same method names) that adds
+what long FP16 fine-tuning runs need and torch's scaler does not have:
+
+* hysteresis (tolerate ``hysteresis - 1`` overflows before backing off, Megatron/DeepSpeed style);
+* ``min_scale``/``max_scale`` bounds and a clear, configurable failure when the scale collapses;
+* a skip that really is a skip for *every* optimizer kind: torch's scaler hands fused optimizers
+  its ``found_inf`` tensor and calls ``optimizer.step()`` anyway, so wrappers that detect skips by
+  watching ``step()`` (Accelerate, and through it Trainer's LR scheduler) never see one;
+* the same skip decision on every rank (found-inf is all-reduced with MAX);
+* telemetry (:attr:`stats`) and overflow attribution by parameter name (:meth:`watch`);
+* a checkpointable state that is plain numbers (``torch.load(weights_only=True)``-safe).
+
+Where torch's behaviour is right we match it exactly: with ``hysteresis=1`` and no bound hit, the
+scale after every :meth:`update` and every skip decision equal ``torch.amp.GradScaler``'s (the
+scale is kept as the float32 value torch's 1-element tensor would hold).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DynamicLossScaler", "LossScaleError", "ScalerStats"]
+
+logger = logging.getLogger(__name__)
+
+_ON_MIN_SCALE = ("raise", "warn", "clamp")
+_STATE_VERSION = 1
+# How many parameter names an error message or log line lists before "and N more".
+_NAMES_SHOWN = 8
+
+
+class LossScaleError(FloatingPointError):
+    """Gradients kept overflowing at the minimum loss scale: FP16 cannot represent this run.
+
+    A ``FloatingPointError`` so that code catching the stdlib's numeric failures catches it too.
+    """
+
+
+class _Stage(Enum):
+    """Where one optimizer is in the current iteration (torch's ``OptState``)."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass(frozen=True)
+class ScalerStats:
+    """A snapshot of everything the scaler knows; cheap to take, safe to keep.
+
+    ``steps`` counts :meth:`DynamicLossScaler.update` calls (optimizer steps attempted), ``skipped``
+    those whose gradients were non-finite, ``overflow_streak`` the current run of consecutive
+    overflowing steps. ``last_overflow_params`` names the parameters with non-finite gradients on
+    the most recent overflow step (names when :meth:`~DynamicLossScaler.watch` was called,
+    positional labels otherwise; empty when nothing was attributed).
+    """
+
+    scale: float
+    steps: int
+    skipped: int
+    growths: int
+    backoffs: int
+    overflow_streak: int
+    last_overflow_params: tuple[str, ...]
+
+
+def _f32(value: float) -> float:
+    """Round a Python float to the nearest float32, as torch's 1-element scale tensor stores it."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _positive_finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def _int_at_least_one(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _describe(names: list[str]) -> str:
+    shown = ", ".join(names[:_NAMES_SHOWN])
+    more = len(names) - _NAMES_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling for FP16 training, a drop-in for :class:`torch.amp.GradScaler`.
+
+    The whole step protocol, unscale-then-clip included::
+
+        model = MyModel().cuda()                       # master weights stay FP32
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        scaler = DynamicLossScaler("cuda").watch(model)
+
+        for batch in loader:
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(**batch).loss
+            scaler.scale(loss).backward()              # grads carry the scale S
+            scaler.clip_grad_norm_(optimizer, 1.0)     # unscale once, then clip true grads
+            scaler.step(optimizer)                     # skipped entirely if any grad is inf/NaN
+            scaler.update()                            # grow / back off / hysteresis
+            if not scaler.step_was_skipped:
+                lr_scheduler.step()
+
+    Args:
+        device: ``"cuda"``, ``"cpu"``, ... Kept for signature compatibility with
+            ``torch.amp.GradScaler``; the scaler works on whatever device the loss and gradients
+            live on (its small tensors are created lazily there).
+        init_scale: starting scale S (rounded to float32, like torch).
+        growth_factor: S is multiplied by this after ``growth_interval`` consecutive clean steps.
+        backoff_factor: S is multiplied by this when an overflow is not tolerated.
+        growth_interval: clean steps between growths.
+        enabled: ``False`` makes every method an exact pass-through (FP32 or BF16 training).
+        hysteresis: back off on the N-th overflow; ``N - 1`` overflows are tolerated (the step is
+            still skipped). The tolerance refills when the scale grows (Megatron).
+            ``1`` is torch's behaviour.
+        consecutive_hysteresis: refill the tolerance on every clean step instead (DeepSpeed's
+            option), so only N overflows *in a row* back off.
+        min_scale: the scale never goes below this.
+        max_scale: the scale never grows above this.
+        on_min_scale: what an overflow at ``min_scale`` does once hysteresis is spent:
+            ``"raise"`` a :class:`LossScaleError` naming the offending parameters, ``"warn"`` once
+            per overflow streak and keep skipping, ``"clamp"`` keep skipping silently.
+        process_group: when ``torch.distributed`` is initialised with more than one rank, the
+            found-inf flag is all-reduced (MAX) over this group (default: the world) so that every
+            rank skips the same steps and keeps the same scale.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        on_min_scale: str = "raise",
+        process_group: Any = None,
+    ) -> None:
+        self._device = torch.device(device).type if not isinstance(device, str) else device
+        self._enabled = bool(enabled)
+        self._configure(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            on_min_scale=on_min_scale,
+        )
+        self.process_group = process_group
+        self._param_names: dict[int, str] = {}
+        self._reset_counters()
+        self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(self._fresh_optimizer_state)
+        # Device tensors (scale and its reciprocal) are created lazily on first use, per device,
+        # and refreshed only when the scale changes: scale() and unscale_() then cost no
+        # host-to-device copy on the steady-state path.
+        self._device_cache: dict[torch.device, tuple[float, torch.Tensor, torch.Tensor]] = {}
+
+    # ----------------------------------------------------------------------------------------
+    # configuration and validation
+    # ----------------------------------------------------------------------------------------
+    def _configure(
+        self,
+        *,
+        init_scale: float,
+        growth_factor: float,
+        backoff_factor: float,
+        growth_interval: int,
+        hysteresis: int,
+        consecutive_hysteresis: bool,
+        min_scale: float,
+        max_scale: float,
+        on_min_scale: str,
+    ) -> None:
+        """Validate every knob before touching any attribute, so a bad value changes nothing."""
+        init_scale = _positive_finite("init_scale", init_scale)
+        growth_factor = _positive_finite("growth_factor", growth_factor)
+        if growth_factor <= 1.0:
+            raise ValueError(f"growth_factor must be > 1.0, got {growth_factor!r}")
+        backoff_factor = _positive_finite("backoff_factor", backoff_factor)
+        if not backoff_factor < 1.0:
+            raise ValueError(
+                f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}"
+            )
+        growth_interval = _int_at_least_one("growth_interval", growth_interval)
+        hysteresis = _int_at_least_one("hysteresis", hysteresis)
+        min_scale = _positive_finite("min_scale", min_scale)
+        max_scale = _positive_finite("max_scale", max_scale)
+        if min_scale > max_scale:
+            raise ValueError(
+                f"min_scale must be <= max_scale, got min_scale={min_scale!r} > "
+                f"max_scale={max_scale!r}"
+            )
+        if not min_scale <= init_scale <= max_scale:
+            raise ValueError(
+                f"init_scale must lie in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}], "
+                f"got {init_scale!r}"
+            )
+        if on_min_scale not in _ON_MIN_SCALE:
+            raise ValueError(f"on_min_scale must be one of {_ON_MIN_SCALE}, got {on_min_scale!r}")
+
+        self._init_scale = init_scale
+        self._scale = _f32(init_scale)
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._growth_tracker = 0
+        self._hysteresis = hysteresis
+        self._hysteresis_tracker = hysteresis
+        self._consecutive_hysteresis = bool(consecutive_hysteresis)
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._on_min_scale = on_min_scale
+
+    def _reset_counters(self) -> None:
+        self._steps = 0
+        self._skipped = 0
+        self._growths = 0
+        self._backoffs = 0
+        self._overflow_streak = 0
+        self._warned_this_streak = False
+        self._last_overflow_params: tuple[str, ...] = ()
+        self._step_was_skipped = False
+
+    @staticmethod
+    def _fresh_optimizer_state() -> dict[str, Any]:
+        # A staticmethod rather than a lambda: lambdas don't pickle, and neither would the scaler.
+        return {"stage": _Stage.READY, "found_inf": None}
+
+    # ----------------------------------------------------------------------------------------
+    # torch.amp.GradScaler-compatible accessors
+    # ----------------------------------------------------------------------------------------
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled, like torch). Never syncs."""
+        return self._scale if self._enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        new_factor = _positive_finite("growth_factor", new_factor)
+        if new_factor <= 1.0:
+            raise ValueError(f"growth_factor must be > 1.0, got {new_factor!r}")
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        new_factor = _positive_finite("backoff_factor", new_factor)
+        if not new_factor < 1.0:
+            raise ValueError(
+                f"backoff_factor must be in the open interval (0, 1), got {new_factor!r}"
+            )
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = _int_at_least_one("growth_interval", new_interval)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the most recent optimizer step was skipped because of inf/NaN gradients."""
+        return self._step_was_skipped
+
+    @property
+    def stats(self) -> ScalerStats:
+        return ScalerStats(
+            scale=self.get_scale(),
+            steps=self._steps,
+            skipped=self._skipped,
+            growths=self._growths,
+            backoffs=self._backoffs,
+            overflow_streak=self._overflow_streak,
+            last_overflow_params=self._last_overflow_params,
+        )
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> bool | None:
+        """This iteration's overflow verdict for ``optimizer``; ``None`` before :meth:`unscale_`."""
+        state = self._per_optimizer.get(id(optimizer))
+        return None if state is None else state["found_inf"]
+
+    # ----------------------------------------------------------------------------------------
+    # overflow attribution
+    # ----------------------------------------------------------------------------------------
+    def watch(
+        self, model_or_named_parameters: nn.Module | Iterable[tuple[str, torch.Tensor]]
+    ) -> DynamicLossScaler:
+        """Remember parameter names so overflows can be attributed to them.
+
+        Costs nothing on clean steps: the per-parameter finiteness check runs only on steps whose
+        fused check already found an inf/NaN. Returns ``self`` so it chains off the constructor.
+        """
+        if isinstance(model_or_named_parameters, nn.Module):
+            named = model_or_named_parameters.named_parameters()
+        else:
+            named = model_or_named_parameters
+        for name, param in named:
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(f"watch() expects (name, parameter) pairs, got {name!r}: {param!r}")
+            self._param_names[id(param)] = name
+        return self
+
+    def _label(self, param: torch.Tensor, group: int, index: int) -> str:
+        name = self._param_names.get(id(param))
+        if name is not None:
+            return name
+        shape = "x".join(str(s) for s in param.shape) or "scalar"
+        return f"param_groups[{group}]['params'][{index}] (shape {shape})"
+
+    @staticmethod
+    def _grad_values(param: torch.Tensor) -> torch.Tensor:
+        grad = param.grad
+        assert grad is not None
+        return grad._values() if grad.is_sparse else grad
+
+    def _non_finite_params(self, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+        """Names of the parameters whose gradients hold inf/NaN (overflow steps only)."""
+        located: list[tuple[torch.Tensor, str]] = []
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                if param.grad is not None:
+                    located.append((self._grad_values(param), self._label(param, g, i)))
+        if not located:
+            return ()
+        # One stacked check and one sync for all of them, not one .item() per tensor.
+        with torch.no_grad():
+            finite = [torch.isfinite(v).all().to("cpu") for v, _ in located]
+            flags = torch.stack(finite).tolist()
+        return tuple(label for (_, label), ok in zip(located, flags) if not ok)
+
+    # ----------------------------------------------------------------------------------------
+    # the step protocol
+    # ----------------------------------------------------------------------------------------
+    def _device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._device_cache.get(device)
+        if cached is None or cached[0] != self._scale:
+            scale = torch.full((), self._scale, dtype=torch.float32, device=device)
+            # The reciprocal is taken in float64, then rounded, as torch does: an FP32
+            # division can be imprecise under some compile options.
+            inv_scale = torch.full((), 1.0 / self._scale, dtype=torch.float64).to(torch.float32)
+            cached = (self._scale, scale, inv_scale.to(device))
+            self._device_cache[device] = cached
+        return cached[1], cached[2]
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a tensor (or a list/tuple/iterable of them) by the scale.
+
+        Disabled: returns ``outputs`` itself. The multiplication is by a float32 tensor so that a
+        half-precision loss is promoted (``loss * 65536`` in FP16 would already be inf).
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs * self._device_tensors(outputs.device)[0]
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, Iterable):
+            return map(self.scale, outputs)
+        raise ValueError(
+            f"scale() expects a Tensor or an iterable of Tensors, got {type(outputs).__name__}"
+        )
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale and decide whether this step overflowed.
+
+        One fused check-and-divide pass per (device, dtype) group, then the found-inf flags of all
+        devices are summed on one device, all-reduced (MAX) across ranks when distributed, and read
+        back once: the only device-to-host sync of the step. Call it once per optimizer per step,
+        before clipping or inspecting gradients; :meth:`step` calls it if you did not.
+        """
+        if not self._enabled:
+            return
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(); "
+                "gradients would be divided by the scale twice. Call it once per step, before "
+                "step()."
+            )
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError(
+                "unscale_() is being called after step(); call update() to finish the "
+                "iteration first."
+            )
+
+        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        half_grads: list[str] = []
+        with torch.no_grad():
+            for g, group in enumerate(optimizer.param_groups):
+                for i, param in enumerate(group["params"]):
+                    if param.grad is None:
+                        continue
+                    if param.grad.dtype == torch.float16:
+                        half_grads.append(self._label(param, g, i))
+                        continue
+                    if param.grad.is_sparse:
+                        # Duplicate indices of a sparse grad add up on coalesce(), which can
+                        # overflow: check the values the optimizer will actually see.
+                        param.grad = param.grad.coalesce()
+                    values = self._grad_values(param)
+                    groups[values.device][values.dtype].append(values)
+            if half_grads:
+                raise ValueError(
+                    "Attempting to unscale FP16 gradients of "
+                    f"{len(half_grads)} parameter(s): {_describe(half_grads)}. Mixed-precision "
+                    "training needs FP32 master weights: keep trainable parameters in float32 "
+                    "(autocast runs the maths in FP16) - e.g. "
+                    "amp_trainer.precision.cast_trainable_params_to_fp32(model) - and load "
+                    "models without dtype=torch.float16 for training."
+                )
+
+            found: list[torch.Tensor] = []
+            for device, per_dtype in groups.items():
+                found_inf = torch.zeros((), dtype=torch.float32, device=device)
+                inv_scale = self._device_tensors(device)[1]
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+                found.append(found_inf)
+            overflow = self._reduce_found_inf(found)
+
+        state["found_inf"] = overflow
+        state["stage"] = _Stage.UNSCALED
+        if overflow and (self._param_names or self._at_min_scale()):
+            # Attribution runs only here, on overflow steps: clean steps pay nothing for it.
+            self._last_overflow_params = self._non_finite_params(optimizer)
+
+    def _reduce_found_inf(self, found: list[torch.Tensor]) -> bool:
+        if found:
+            total = found[0]
+            for other in found[1:]:
+                total = total + other.to(total.device)
+        else:
+            # No gradients at all on this rank: it must still join the collective below.
+            total = torch.zeros((), dtype=torch.float32, device=self._fallback_device())
+        if self._distributed():
+            import torch.distributed as dist
+
+            flag = total
+            if dist.get_backend(self.process_group) == "gloo" and flag.device.type != "cpu":
+                flag = flag.cpu()
+            flag = flag.clone()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = flag
+        return bool(total.item())
+
+    def _fallback_device(self) -> torch.device:
+        if self._device_cache:
+            return next(iter(self._device_cache))
+        if self._device == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _distributed(self) -> bool:
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return False
+        return torch.distributed.get_world_size(self.process_group) > 1
+
+    def clip_grad_norm_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Unscale (unless already done this step), then clip the true gradients.
+
+        Returns the total norm of the unscaled gradients. On an overflow step nothing is clipped
+        (the step will be skipped anyway) and the returned norm is ``inf``.
+        """
+        params = [
+            p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
+        if self._enabled:
+            state = self._per_optimizer[id(optimizer)]
+            if state["stage"] is _Stage.READY:
+                self.unscale_(optimizer)
+            elif state["stage"] is _Stage.STEPPED:
+                raise RuntimeError(
+                    "clip_grad_norm_() is being called after step(); clip before it."
+                )
+            if state["found_inf"]:
+                device = params[0].device if params else torch.device("cpu")
+                return torch.full((), math.inf, device=device)
+        return nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale if needed, then run ``optimizer.step()`` unless the gradients overflowed.
+
+        On overflow ``optimizer.step()`` is not called at all, for every optimizer kind (fused
+        and foreach included): parameters and optimizer state (moments, step counters) stay
+        bit-identical, and wrappers that watch ``step()`` see the skip.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs or (args and callable(args[0])):
+            raise RuntimeError(
+                "step() with a closure is not supported when loss scaling is enabled: the closure "
+                "would re-run backward on an unscaled loss."
+            )
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is _Stage.READY:
+            self.unscale_(optimizer)
+        result = None
+        if not state["found_inf"]:
+            result = optimizer.step(*args, **kwargs)
+        state["stage"] = _Stage.STEPPED
+        # With several optimizers, "skipped" means any of them skipped in this iteration.
+        self._step_was_skipped = any(
+            s["found_inf"] for s in self._per_optimizer.values() if s["stage"] is _Stage.STEPPED
+        )
+        return result
+
+    # ----------------------------------------------------------------------------------------
+    # the scale policy
+    # ----------------------------------------------------------------------------------------
+    def _at_min_scale(self) -> bool:
+        return self._scale <= self._min_scale
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Grow, back off or hold the scale after this iteration's steps; then start the next.
+
+        ``new_scale`` sets the scale by hand (within ``[min_scale, max_scale]``), as in torch.
+        Must come after :meth:`step` for every optimizer used this iteration, or backoff lags a
+        step behind the overflow that caused it.
+        """
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                if new_scale.numel() != 1:
+                    raise ValueError(
+                        f"new_scale must hold one element, got shape {tuple(new_scale.shape)}"
+                    )
+                new_scale = float(new_scale.item())
+            value = _positive_finite("new_scale", new_scale)
+            if not self._min_scale <= value <= self._max_scale:
+                raise ValueError(
+                    f"new_scale must lie in [min_scale, max_scale] = [{self._min_scale!r}, "
+                    f"{self._max_scale!r}], got {value!r}"
+                )
+            self._scale = _f32(value)
+            self._per_optimizer.clear()
+            return
+
+        verdicts = [
+            s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None
+        ]
+        if not verdicts:
+            raise RuntimeError(
+                "update() found no inf checks recorded since the last update(): call "
+                "scaler.step(optimizer) (or unscale_) for each optimizer before update()."
+            )
+        overflow = any(verdicts)
+        self._per_optimizer.clear()
+        self._steps += 1
+        self._step_was_skipped = overflow
+        if overflow:
+            self._on_overflow()
+        else:
+            self._on_clean_step()
+
+    def _on_clean_step(self) -> None:
+        self._overflow_streak = 0
+        self._warned_this_streak = False
+        if self._consecutive_hysteresis:
+            self._hysteresis_tracker = self._hysteresis
+        self._growth_tracker += 1
+        if self._growth_tracker == self._growth_interval:
+            self._growth_tracker = 0
+            self._hysteresis_tracker = self._hysteresis
+            grown = _f32(self._scale * self._growth_factor)
+            grown = min(grown, _f32(self._max_scale))
+            # Like torch, never grow into inf; at max_scale there is nothing to grow.
+            if math.isfinite(grown) and grown > self._scale:
+                self._scale = grown
+                self._growths += 1
+
+    def _on_overflow(self) -> None:
+        self._skipped += 1
+        self._overflow_streak += 1
+        self._growth_tracker = 0
+        self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)
+        if self._hysteresis_tracker > 0:
+            logger.debug(
+                "Overflow tolerated by hysteresis (%d more allowed) at loss scale %g",
+                self._hysteresis_tracker,
+                self._scale,
+            )
+            return
+        if self._at_min_scale():
+            self._overflow_at_min_scale()
+            return
+        self._scale = max(_f32(self._scale * self._backoff_factor), _f32(self._min_scale))
+        self._backoffs += 1
+
+    def _overflow_at_min_scale(self) -> None:
+        if self._on_min_scale == "clamp":
+            return
+        where = (
+            f"Parameters with non-finite gradients: {_describe(list(self._last_overflow_params))}."
+            if self._last_overflow_params
+            else "No gradient was attributed (call scaler.watch(model) to name them)."
+        )
+        message = (
+            f"Gradients overflowed at the minimum loss scale {self._min_scale:g} "
+            f"({self._overflow_streak} overflowing step(s) in a row). {where} Loss scaling "
+            "cannot fix this: the values are inf/NaN before scaling. Next triage step: rerun the "
+            "same batch in pure FP32 (`amp-trainer doctor`): if it is NaN there too, the bug is in "
+            "the model, data or learning rate; if not, keep the overflowing module in FP32 or "
+            "switch to bf16."
+        )
+        if self._on_min_scale == "raise":
+            raise LossScaleError(message)
+        if not self._warned_this_streak:
+            logger.warning("%s Skipping steps until the gradients are finite again.", message)
+            self._warned_this_streak = True
+
+    # ----------------------------------------------------------------------------------------
+    # checkpointing
+    # ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every piece of state as plain Python numbers/strings (``weights_only=True``-safe).
+
+        The first five keys are torch.amp.GradScaler's, with the same meaning, so checkpoints
+        move between the two scalers. Empty when disabled, as torch's.
+        """
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self._scale,
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._growth_tracker,
+            "hysteresis": self._hysteresis,
+            "consecutive_hysteresis": self._consecutive_hysteresis,
+            "_hysteresis_tracker": self._hysteresis_tracker,
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "on_min_scale": self._on_min_scale,
+            "steps": self._steps,
+            "skipped": self._skipped,
+            "growths": self._growths,
+            "backoffs": self._backoffs,
+            "overflow_streak": self._overflow_streak,
+            "version": _STATE_VERSION,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (ours or torch.amp.GradScaler's).
+
+        Everything is validated before anything is assigned: a malformed dict raises and leaves
+        the scaler exactly as it was.
+        """
+        if not self._enabled:
+            return
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_state_dict() expects a mapping, got {type(state_dict).__name__}")
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "scaler (enabled=False)."
+            )
+        missing = [k for k in ("scale", "_growth_tracker") if k not in state_dict]
+        if missing:
+            raise KeyError(
+                f"scaler state dict lacks {missing}; it holds {sorted(state_dict)}. Expected the "
+                "output of DynamicLossScaler.state_dict() or torch.amp.GradScaler.state_dict()."
+            )
+
+        def get(key: str, default: Any) -> Any:
+            value = state_dict.get(key, default)
+            return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+        scale = get("scale", None)
+        cfg = {
+            "init_scale": scale,
+            "growth_factor": get("growth_factor", self._growth_factor),
+            "backoff_factor": get("backoff_factor", self._backoff_factor),
+            "growth_interval": get("growth_interval", self._growth_interval),
+            "hysteresis": get("hysteresis", self._hysteresis),
+            "consecutive_hysteresis": get("consecutive_hysteresis", self._consecutive_hysteresis),
+            "min_scale": get("min_scale", min(self._min_scale, _positive_finite("scale", scale))),
+            "max_scale": get("max_scale", max(self._max_scale, _positive_finite("scale", scale))),
+            "on_min_scale": get("on_min_scale", self._on_min_scale),
+        }
+        counters = {
+            k: get(k, 0)
+            for k in (
+                "_growth_tracker",
+                "steps",
+                "skipped",
+                "growths",
+                "backoffs",
+                "overflow_streak",
+            )
+        }
+        hysteresis_tracker = get("_hysteresis_tracker", cfg["hysteresis"])
+        for key, value in [*counters.items(), ("_hysteresis_tracker", hysteresis_tracker)]:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"scaler state {key!r} must be an int, got {value!r}")
+            if value < 0:
+                raise ValueError(f"scaler state {key!r} must be >= 0, got {value!r}")
+        if hysteresis_tracker > cfg["hysteresis"]:
+            raise ValueError(
+                f"scaler state '_hysteresis_tracker' must be <= hysteresis ({cfg['hysteresis']}), "
+                f"got {hysteresis_tracker}"
+            )
+
+        # Validate on a scratch instance so that a bad value leaves self untouched.
+        probe = DynamicLossScaler.__new__(DynamicLossScaler)
+        probe._configure(**cfg)
+        if counters["_growth_tracker"] >= probe._growth_interval:
+            raise ValueError(
+                f"scaler state '_growth_tracker' must be < growth_interval "
+                f"({probe._growth_interval}), got {counters['_growth_tracker']}"
+            )
+
+        self._configure(**cfg)
+        self._scale = _f32(float(scale))
+        self._growth_tracker = counters["_growth_tracker"]
+        self._hysteresis_tracker = hysteresis_tracker
+        self._steps = counters["steps"]
+        self._skipped = counters["skipped"]
+        self._growths = counters["growths"]
+        self._backoffs = counters["backoffs"]
+        self._overflow_streak = counters["overflow_streak"]
+        self._per_optimizer.clear()
+        self._device_cache.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Device tensors, per-iteration optimizer states and the process group are runtime-only:
+        # a pickled scaler (e.g. sent to a worker) starts its next iteration fresh.
+        state = self.__dict__.copy()
+        state["_device_cache"] = {}
+        state["_per_optimizer"] = defaultdict(self._fresh_optimizer_state)
+        state["process_group"] = None
+        state["_param_names"] = {}
+        return state
+
+    def __repr__(self) -> str:
+        if not self._enabled:
+            return f"{type(self).__name__}(enabled=False)"
+        return (
+            f"{type(self).__name__}(scale={self._scale:g}, growth_factor={self._growth_factor:g}, "
+            f"backoff_factor={self._backoff_factor:g}, growth_interval={self._growth_interval}, "
+            f"hysteresis={self._hysteresis}, min_scale={self._min_scale:g}, "
+            f"max_scale={self._max_scale:g}, on_min_scale={self._on_min_scale!r})"
+        )
