@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# amp-trainer GPU check: one prepared, blind-safe run for a machine lent a CUDA GPU.
+#
+#   bash scripts/gpu_check.sh [OUTPUT_DIR]      # default OUTPUT_DIR: benchmarks/
+#
+# Measures, on bert-base- and gpt2-sized models built from configs (no hub access needed):
+# fp32 / fp16 (DynamicLossScaler) / stock fp16 (torch GradScaler) / bf16 train throughput and
+# peak memory at batch 32 x seq 128; scripts/bench_scaler.py on CUDA; FP16 inference latency vs
+# FP32; the loss-scale trajectory of a short run; AmpTrainer vs stock Trainer when
+# scripts/bench_trainer.py and amp_trainer/trainer.py exist. Results go to
+# OUTPUT_DIR/gpu-<UTC date>.json and .md, rewritten after every part, so a part that fails or
+# times out loses only itself. Under 8 minutes on one H100/H200; installs nothing.
+#
+# Without a usable CUDA device it prints "no CUDA device: nothing measured" and exits 0.
+
+set -u
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${1:-$REPO/benchmarks}"
+PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
+# Run the code of this checkout, installed or not.
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+DRIVER="$REPO/scripts/gpu_check.py"
+
+if [ -z "$PYTHON" ] || ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    echo "gpu_check: torch is not importable with '${PYTHON:-python}': nothing measured" >&2
+    exit 3
+fi
+if ! why="$(timeout 60 "$PYTHON" "$DRIVER" cuda-ok 2>&1)"; then
+    echo "no CUDA device: nothing measured (${why##*$'\n'})"
+    exit 0
+fi
+echo "gpu_check: $why"
+
+mkdir -p "$OUT_DIR" || { echo "gpu_check: cannot create $OUT_DIR" >&2; exit 1; }
+STAMP="$(date -u +%Y-%m-%dT%H%M%SZ)"
+RESULTS="$OUT_DIR/gpu-$STAMP.json"
+echo "gpu_check: results -> $RESULTS and ${RESULTS%.json}.md"
+failures=0
+
+# run_part NAME SECONDS COMMAND...: run one part under its own timeout; record a failure.
+run_part() {
+    local name="$1" limit="$2"
+    shift 2
+    echo "gpu_check: === $name (limit ${limit}s) ==="
+    timeout --kill-after=10 "$limit" "$@"
+    local rc=$?
+    if [ "$rc" -ne 0 ]; then
+        echo "gpu_check: $name failed (exit status $rc)" >&2
+        failures=$((failures + 1))
+        "$PYTHON" "$DRIVER" fail --output "$RESULTS" --name "$name" --rc "$rc" || true
+    fi
+}
+
+# Most important first: a budget overrun cuts the least important part.
+run_part loop 150 "$PYTHON" "$DRIVER" loop --output "$RESULTS"
+run_part scaler 90 "$PYTHON" "$DRIVER" scaler --output "$RESULTS"
+run_part trajectory 60 "$PYTHON" "$DRIVER" trajectory --output "$RESULTS"
+run_part export 45 "$PYTHON" "$DRIVER" export --output "$RESULTS"
+
+if [ -f "$REPO/scripts/bench_trainer.py" ] && [ -f "$REPO/amp_trainer/trainer.py" ]; then
+    TRAINER_MD="$OUT_DIR/gpu-$STAMP-trainer.md"
+    run_part trainer 120 "$PYTHON" "$REPO/scripts/bench_trainer.py" --device cuda \
+        --model bert-base --batch-size 32 --seq-len 128 --steps 30 --repeats 2 \
+        --output "$TRAINER_MD"
+    if [ -f "$TRAINER_MD" ]; then
+        "$PYTHON" "$DRIVER" attach --output "$RESULTS" --name trainer --file "$TRAINER_MD" || true
+    fi
+else
+    echo "gpu_check: trainer part skipped (scripts/bench_trainer.py or amp_trainer/trainer.py missing)"
+fi
+
+echo "gpu_check: done, $failures part(s) failed; results in:"
+ls -l "$OUT_DIR"/gpu-"$STAMP"*
+exit $((failures > 0 ? 1 : 0))
