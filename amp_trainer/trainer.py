@@ -1,0 +1,345 @@
+"""AmpTrainer: a :class:`transformers.Trainer` that gets FP16 right.
+
+Stock ``Trainer(fp16=True)`` (transformers 5.24, accelerate 1.15) has four defects this subclass
+fixes, each reproduced against the stock class in ``tests/test_trainer_regressions.py``:
+
+1. With the default optimizer (``adamw_torch_fused``) an overflow step is not seen as skipped:
+   torch's GradScaler calls a fused optimizer's ``step()`` even on overflow, so Accelerate's
+   skip detection (which watches ``step()``) reports nothing and the LR scheduler advances.
+   Here :class:`~amp_trainer.scaler.DynamicLossScaler` does not call ``step()`` on overflow, so
+   every optimizer kind reports the skip and the scheduler holds.
+2. ``gradient_accumulation_steps=N`` with a model whose ``forward`` takes ``**kwargs`` but does
+   not use ``num_items_in_batch`` (``BertForSequenceClassification``): Trainer assumes the model
+   normalises the loss itself, so loss and gradients come out N times too large. Here the model's
+   ``forward`` source is checked for a consumer of ``num_items_in_batch``.
+3. ``fp16=True`` on a CPU trains in plain FP32 without a word. Here it is real FP16 (autocast plus
+   the scaler, through :func:`amp_trainer.accelerate_hooks.install_scaler`).
+4. PEFT ``modules_to_save`` copies (e.g. the LoRA ``SEQ_CLS`` classifier) of an FP16-loaded model
+   stay FP16 and training dies with "Attempting to unscale FP16 gradients". Here trainable
+   parameters are cast to FP32 master weights before the optimizer is built.
+
+And it makes the scaler observable: ``loss_scale``, ``skipped_steps`` and ``step_skipped`` go into
+the normal Trainer logs (so ``state.log_history`` and every ``report_to`` integration get them), an
+overflow step logs no ``grad_norm: inf``, the overflowing parameters are named at INFO level,
+``trainer.scale_history`` keeps one entry per optimizer step, and the full scaler state travels
+with every checkpoint (Trainer saves ``accelerator.scaler.state_dict()`` as ``scaler.pt``; that
+object is our scaler).
+
+``global_step`` still counts optimizer step *attempts*, skipped ones included, as in stock Trainer
+(``max_steps``, ``save_steps`` and ``logging_steps`` keep their meaning); skipped steps are
+recorded rather than hidden.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import unwrap_peft_model
+
+from amp_trainer.precision import (
+    cast_trainable_params_to_fp32,
+    keep_norms_in_fp32,
+    resolve_precision,
+)
+from amp_trainer.scaler import DynamicLossScaler
+
+__all__ = ["AmpTrainer", "AmpTrainingArguments"]
+
+logger = logging.getLogger(__name__)
+
+_PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+
+# AmpTrainingArguments field -> DynamicLossScaler keyword. The scaler validates the values; its
+# messages name the keyword, which we translate back to the field the user actually wrote.
+_SCALER_FIELDS = {
+    "loss_scale_init": "init_scale",
+    "loss_scale_growth_factor": "growth_factor",
+    "loss_scale_backoff_factor": "backoff_factor",
+    "loss_scale_growth_interval": "growth_interval",
+    "loss_scale_hysteresis": "hysteresis",
+    "loss_scale_min": "min_scale",
+    "loss_scale_max": "max_scale",
+    "on_min_loss_scale": "on_min_scale",
+}
+
+
+@dataclass
+class AmpTrainingArguments(TrainingArguments):
+    """:class:`~transformers.TrainingArguments` plus the precision policy and the loss-scaler knobs.
+
+    ``precision`` and the inherited ``fp16``/``bf16`` flags describe the same thing, so they must
+    agree: ``fp16=True`` alone means ``precision="fp16"``, ``precision="fp16"`` alone sets
+    ``fp16=True``, and a contradiction (``precision="fp32", bf16=True``) is a ``ValueError``.
+    After ``__post_init__``, ``precision`` holds the resolved value (never ``"auto"``) and the
+    flags match it, so the arguments saved with a checkpoint say what actually ran.
+    """
+
+    precision: Literal["auto", "fp16", "bf16", "fp32"] = field(
+        default="auto",
+        metadata={
+            "help": "Training precision. 'auto' follows --fp16/--bf16 when given, else picks for "
+            "the device: fp16 on CUDA, bf16 where the hardware has it, fp32 otherwise. fp16 on a "
+            "CPU is real (autocast + loss scaling), only slow."
+        },
+    )
+    keep_norms_fp32: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep normalisation layers (LayerNorm, RMSNorm, BatchNorm, ...) in fp32, "
+            "parameters and arithmetic, under fp16/bf16 autocast."
+        },
+    )
+    loss_scale_init: float = field(
+        default=2.0**16, metadata={"help": "Initial loss scale S (fp16 only)."}
+    )
+    loss_scale_growth_factor: float = field(
+        default=2.0,
+        metadata={"help": "S is multiplied by this after growth_interval clean steps (> 1)."},
+    )
+    loss_scale_backoff_factor: float = field(
+        default=0.5, metadata={"help": "S is multiplied by this on overflow, in (0, 1)."}
+    )
+    loss_scale_growth_interval: int = field(
+        default=2000, metadata={"help": "Consecutive clean optimizer steps before S grows."}
+    )
+    loss_scale_hysteresis: int = field(
+        default=1,
+        metadata={
+            "help": "Back off on the N-th overflow; N-1 overflows are tolerated (the step is still "
+            "skipped). 1 is torch.amp.GradScaler's behaviour."
+        },
+    )
+    loss_scale_min: float = field(
+        default=1.0, metadata={"help": "The loss scale never goes below this."}
+    )
+    loss_scale_max: float = field(
+        default=2.0**24, metadata={"help": "The loss scale never grows above this."}
+    )
+    on_min_loss_scale: Literal["raise", "warn", "clamp"] = field(
+        default="raise",
+        metadata={
+            "help": "What an overflow at loss_scale_min does: 'raise' LossScaleError naming the "
+            "overflowing parameters, 'warn' and keep skipping, or 'clamp' silently."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        # Resolve before TrainingArguments.__post_init__, which derives mixed_precision (and so
+        # Accelerate's autocast) from the fp16/bf16 flags. TrainingArguments 5.24 does not refuse
+        # fp16 on a CPU; it just never turns it on (Accelerate drops it), which AmpTrainer fixes.
+        self.precision = self._resolve_precision()
+        self.fp16 = self.precision == "fp16"
+        self.bf16 = self.precision == "bf16"
+        super().__post_init__()
+        self.loss_scaler_kwargs()  # validate the knobs now, not at the first optimizer step
+
+    def _resolve_precision(self) -> str:
+        requested = self.precision
+        if requested not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {_PRECISIONS}, got {requested!r}")
+        flags = [name for name in ("fp16", "bf16") if getattr(self, name)]
+        if len(flags) > 1:
+            raise ValueError("At most one of fp16 and bf16 can be True, got fp16=True, bf16=True")
+        if flags and requested not in ("auto", flags[0]):
+            raise ValueError(
+                f"precision={requested!r} contradicts {flags[0]}=True: set one of them, or make "
+                "them agree"
+            )
+        if requested == "auto" and flags:
+            requested = flags[0]
+        device = "cpu" if self.use_cpu else None
+        return resolve_precision(requested, device)
+
+    def loss_scaler_kwargs(self) -> dict[str, Any]:
+        """The :class:`DynamicLossScaler` keyword arguments these fields describe (validated)."""
+        kwargs = {key: getattr(self, name) for name, key in _SCALER_FIELDS.items()}
+        try:
+            DynamicLossScaler("cpu", **kwargs)  # validation only: allocates nothing
+        except (TypeError, ValueError) as err:
+            message = str(err)
+            for name, key in _SCALER_FIELDS.items():
+                message = re.sub(rf"\b{key}\b", name, message)
+            raise ValueError(message) from err
+        return kwargs
+
+
+def _precision_of(args: TrainingArguments) -> str:
+    """The precision a (possibly plain) TrainingArguments asks for."""
+    if isinstance(args, AmpTrainingArguments):
+        return args.precision
+    if args.fp16:
+        return resolve_precision("fp16", args.device)
+    return "bf16" if args.bf16 else "fp32"
+
+
+def _forward_consumes_num_items(model: nn.Module) -> bool:
+    """Whether ``model.forward`` really uses ``num_items_in_batch`` to normalise its loss.
+
+    Stock Trainer (5.24, ``Trainer.__init__``) answers "yes" for any ``forward`` with ``**kwargs``
+    and then skips its own division by ``gradient_accumulation_steps``. Models that compute the
+    loss with a plain ``CrossEntropyLoss`` (``BertForSequenceClassification``) swallow the kwarg,
+    so loss and gradients grow N-fold. transformers' models that honour it do so through
+    ``self.loss_function`` (or by naming the argument); when in doubt we answer "no", which gives
+    the per-micro-batch mean divided by N: the right magnitude for every model.
+    """
+    unwrapped = unwrap_peft_model(model)
+    explicit = getattr(unwrapped, "accepts_loss_kwargs", None)
+    if explicit is not None:  # the model's author said so
+        return bool(explicit)
+    forward = unwrapped.forward
+    params = inspect.signature(forward).parameters
+    if "num_items_in_batch" in params:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    try:
+        source = inspect.getsource(type(unwrapped).forward)
+    except (OSError, TypeError):
+        return False
+    return "loss_function" in source or "num_items_in_batch" in source
+
+
+class _LossScaleMonitor(TrainerCallback):
+    """Records one ``scale_history`` entry per optimizer step and names overflowing parameters.
+
+    Runs first among the callbacks, so user callbacks see an up-to-date history. Costs two Python
+    floats per step: the skip verdict is the one the scaler already synced to the host.
+    """
+
+    def __init__(self, trainer: AmpTrainer) -> None:
+        self._trainer = trainer
+        self._scale_before_step = 1.0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        scaler = self._trainer.loss_scaler
+        if scaler is not None:
+            self._scale_before_step = scaler.get_scale()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        scaler = self._trainer.loss_scaler
+        if scaler is None:
+            return
+        skipped = scaler.step_was_skipped
+        step = state.global_step + 1  # global_step is incremented right after this event
+        self._trainer.scale_history.append(
+            {"step": step, "scale": self._scale_before_step, "skipped": skipped}
+        )
+        self._trainer._last_step_skipped = skipped
+        if skipped:
+            names = scaler.stats.last_overflow_params
+            logger.info(
+                "Step %d skipped: non-finite gradients at loss scale %g (now %g)%s",
+                step,
+                self._scale_before_step,
+                scaler.get_scale(),
+                f" in {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}" if names else "",
+            )
+
+
+class AmpTrainer(Trainer):
+    """:class:`transformers.Trainer` with amp-trainer's loss scaler and precision policy.
+
+    Use it exactly like ``Trainer``; pass :class:`AmpTrainingArguments` for the scaler knobs (a
+    plain ``TrainingArguments`` works too, with the scaler's defaults). ``loss_scaler`` replaces
+    the scaler built from the arguments, e.g. to share one across trainers or to set
+    ``process_group``.
+
+    Attributes:
+        loss_scaler: the :class:`DynamicLossScaler` in use (``None`` for bf16/fp32 and DeepSpeed,
+            whose engine scales the loss itself).
+        scale_history: one ``{"step", "scale", "skipped"}`` dict per optimizer step of this run;
+            ``scale`` is the loss scale the step ran with.
+    """
+
+    def __init__(
+        self, *args: Any, loss_scaler: DynamicLossScaler | None = None, **kwargs: Any
+    ) -> None:
+        if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+            raise TypeError(
+                f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}"
+            )
+        self._requested_scaler = loss_scaler
+        self.loss_scaler: DynamicLossScaler | None = None
+        self.scale_history: list[dict[str, Any]] = []
+        self._last_step_skipped = False
+        super().__init__(*args, **kwargs)
+        self.callback_handler.callbacks.insert(0, _LossScaleMonitor(self))
+
+        stock = self.model_accepts_loss_kwargs
+        self.model_accepts_loss_kwargs = _forward_consumes_num_items(
+            self.accelerator.unwrap_model(self.model)
+        )
+        if stock and not self.model_accepts_loss_kwargs:
+            logger.info(
+                "%s.forward takes **kwargs but does not use num_items_in_batch: the loss is "
+                "divided by gradient_accumulation_steps here (stock Trainer would not).",
+                type(unwrap_peft_model(self.model)).__name__,
+            )
+
+    # -- accelerator -------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        """Build the stock accelerator, then put our scaler (and real CPU fp16) into it."""
+        from amp_trainer.accelerate_hooks import install_scaler  # imports accelerate internals
+
+        super().create_accelerator_and_postprocess()
+        self.precision = _precision_of(self.args)
+        if self.precision == "fp16" and self.is_deepspeed_enabled:
+            logger.warning(
+                "DeepSpeed runs its own FP16 loss scaler; amp-trainer's is not installed. Map the "
+                "loss_scale_* arguments with amp_trainer.accelerate_hooks.deepspeed_fp16_config()."
+            )
+        elif self.precision == "fp16":
+            scaler = self._requested_scaler
+            if scaler is None:
+                scaler_kwargs = (
+                    self.args.loss_scaler_kwargs()
+                    if isinstance(self.args, AmpTrainingArguments)
+                    else {}
+                )
+                scaler = DynamicLossScaler(self.args.device.type, **scaler_kwargs)
+            self.loss_scaler = install_scaler(self.accelerator, scaler)
+        self._apply_precision_policy(self.model)
+
+    def _apply_precision_policy(self, model: nn.Module | None) -> None:
+        """FP32 master weights, FP32 norms and named overflows for ``model``; idempotent."""
+        if model is None or self.precision == "fp32":
+            return
+        if self.precision == "fp16":
+            cast = cast_trainable_params_to_fp32(model)
+            if cast:
+                logger.warning(
+                    "Cast %d trainable parameter(s) to fp32 master weights for fp16 training "
+                    "(e.g. %s); the loss scaler cannot unscale fp16 gradients.",
+                    len(cast),
+                    cast[0],
+                )
+        if getattr(self.args, "keep_norms_fp32", True):
+            keep_norms_in_fp32(model)
+        if self.loss_scaler is not None:
+            self.loss_scaler.watch(model)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        # The model trained may differ from the one at __init__ (model_init, hyperparameter
+        # search), so the policy is applied again on the model the optimizer is built for.
+        self._apply_precision_policy(self.model if model is None else model)
+        return super().create_optimizer(model)
+
+    # -- observability -----------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the loss scale and skip counts to training logs; never log an inf grad_norm."""
+        if self.loss_scaler is not None and "loss" in logs:
+            grad_norm = logs.get("grad_norm")
+            if grad_norm is not None and not math.isfinite(grad_norm):
+                del logs["grad_norm"]  # an overflow step: its norm is meaningless, not "inf"
+            logs["loss_scale"] = self.loss_scaler.get_scale()
+            logs["skipped_steps"] = self.loss_scaler.stats.skipped
+            logs["step_skipped"] = int(self._last_step_skipped)
+        super().log(logs, start_time)
