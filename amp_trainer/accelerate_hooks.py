@@ -1,0 +1,365 @@
+"""Our loss scaler inside Hugging Face Accelerate.
+
+Accelerate already routes every step through ``accelerator.scaler``: ``backward()`` calls
+``scaler.scale(loss).backward()``, the :class:`~accelerate.optimizer.AcceleratedOptimizer` calls
+``scaler.step(optimizer, closure)`` then ``scaler.update()`` on sync steps and reports a skip when
+the wrapped ``optimizer.step`` was never called, and
+:class:`~accelerate.scheduler.AcceleratedScheduler` holds the learning rate on such skips.
+:class:`~amp_trainer.scaler.DynamicLossScaler` speaks the same protocol, so the hook is small:
+put our scaler in ``accelerator.scaler`` *before* ``prepare()`` wraps the optimizers (the wrapper
+captures the scaler at wrap time) and fix the places where upstream Accelerate is silently wrong:
+
+* ``mixed_precision="fp16"`` on a CPU is a no-op upstream (no autocast, no scaler). Here it runs:
+  autocast to float16 plus loss scaling, with one warning that it is slow on CPUs.
+* torch's ``GradScaler`` calls ``step()`` on fused optimizers even on overflow (it hands them its
+  found-inf tensor), so ``optimizer_step_was_skipped`` is never true for ``AdamW(fused=True)`` and
+  the scheduler advances on skipped steps. Our scaler skips ``step()`` itself for every optimizer.
+* ``unscale_gradients()`` twice in one step (an explicit call, then ``clip_grad_norm_``) raises
+  upstream; here it unscales each optimizer once per step and is a no-op after that.
+* ``clip_grad_norm_`` on an overflow step returns ``inf`` and leaves the (discarded) gradients
+  alone instead of multiplying infs by zero.
+
+DeepSpeed runs its own loss scaler inside its engine: :func:`deepspeed_fp16_config` writes our
+knobs as DeepSpeed's ``"fp16"`` config section instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+from amp_trainer.precision import keep_norms_in_fp32, resolve_precision
+from amp_trainer.scaler import DynamicLossScaler
+
+__all__ = ["AmpAccelerator", "deepspeed_fp16_config", "install_scaler"]
+
+logger = logging.getLogger(__name__)
+
+# Accelerate spells FP32 "no"; fp8 is Accelerate's own (TransformerEngine/torchao/MS-AMP) path.
+_ACCELERATE_TO_OURS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+_ENGINE_OWNS_SCALING = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+
+def _precision_of(accelerator: Accelerator) -> str | None:
+    """fp16/bf16/fp32 as resolved for the accelerator's device; ``None`` for fp8."""
+    requested = _ACCELERATE_TO_OURS.get(accelerator.mixed_precision)
+    if requested is None:
+        return None
+    return resolve_precision(requested, accelerator.device)
+
+
+def _scaler_kwargs_from_handler(accelerator: Accelerator) -> dict[str, Any]:
+    # GradScalerKwargs(init_scale=..., growth_factor=..., backoff_factor=..., growth_interval=...,
+    # enabled=...) uses torch's names, which are ours too; to_kwargs() holds only non-defaults.
+    handler = getattr(accelerator, "scaler_handler", None)
+    return dict(handler.to_kwargs()) if handler is not None else {}
+
+
+def install_scaler(
+    accelerator: Accelerator, scaler: DynamicLossScaler | None = None, **scaler_kwargs: Any
+) -> DynamicLossScaler:
+    """Make ``scaler`` (or a new :class:`DynamicLossScaler`) the loss scaler of ``accelerator``.
+
+    For an :class:`~accelerate.Accelerator` built elsewhere (a Trainer's, a library's). Call it
+    before ``accelerator.prepare(optimizer)``: each ``AcceleratedOptimizer`` keeps the scaler it
+    was created with, so installing one later would leave those optimizers stepping without it.
+
+    Under fp16 the scaler is enabled and autocast is switched on, on CPUs too. Under bf16/fp32 a
+    disabled scaler (exact pass-through) is installed, so ``accelerator.scaler.get_scale()``
+    works in every precision. ``scaler_kwargs`` (``init_scale``, ``hysteresis``, ...) build the
+    scaler; the accelerator's ``GradScalerKwargs`` handler, if any, supplies defaults for them.
+
+    Raises:
+        RuntimeError: optimizers were already prepared.
+        ValueError: DeepSpeed/Megatron-LM own the scaling (use :func:`deepspeed_fp16_config`), or
+            an enabled scaler was given for a bf16/fp32 run.
+    """
+    if scaler is not None and scaler_kwargs:
+        raise TypeError(
+            f"install_scaler() takes a scaler or scaler keyword arguments, not both; got a scaler "
+            f"and {sorted(scaler_kwargs)}"
+        )
+    if accelerator.distributed_type in _ENGINE_OWNS_SCALING:
+        raise ValueError(
+            f"{accelerator.distributed_type.value} runs its own loss scaler inside its engine; "
+            "configure it there: amp_trainer.accelerate_hooks.deepspeed_fp16_config(...) returns "
+            "our knobs as DeepSpeed's 'fp16' config section."
+        )
+    if accelerator._optimizers:
+        raise RuntimeError(
+            f"install_scaler() was called after accelerator.prepare() wrapped "
+            f"{len(accelerator._optimizers)} optimizer(s); they captured the old scaler "
+            f"({type(accelerator.scaler).__name__ if accelerator.scaler is not None else None}) "
+            "and would step without ours. Install the scaler before prepare()."
+        )
+    if scaler is not None and not isinstance(scaler, DynamicLossScaler):
+        raise TypeError(f"scaler must be a DynamicLossScaler, got {type(scaler).__name__}")
+
+    precision = _precision_of(accelerator)
+    if precision is None:
+        raise ValueError(
+            f"mixed_precision={accelerator.mixed_precision!r} is handled by Accelerate's own "
+            "backend; install_scaler() supports 'fp16', 'bf16' and 'no'."
+        )
+    if precision == "fp16":
+        if scaler is None:
+            kwargs = {**_scaler_kwargs_from_handler(accelerator), **scaler_kwargs}
+            scaler = DynamicLossScaler(accelerator.device.type, **kwargs)
+        # native_amp is what makes prepare_model() wrap the forward in autocast, makes
+        # accelerator.autocast() autocast and makes unscale_gradients() unscale; upstream
+        # leaves it False on CPU, which silently turns fp16 into fp32.
+        accelerator.native_amp = True
+        if accelerator._models and accelerator.device.type == "cpu":
+            logger.warning(
+                "install_scaler(): %d model(s) were prepared before it and run their forward "
+                "without autocast on CPU; prepare models after install_scaler() or wrap the "
+                "forward in accelerator.autocast().",
+                len(accelerator._models),
+            )
+    else:
+        if scaler is not None and scaler.is_enabled():
+            raise ValueError(
+                f"An enabled loss scaler was given but the run is {precision}, which needs no "
+                "loss scaling (the scaler and fp16 autocast go on and off together). Drop it or "
+                "pass DynamicLossScaler(enabled=False)."
+            )
+        scaler = scaler or DynamicLossScaler(accelerator.device.type, enabled=False)
+    accelerator.scaler = scaler
+    logger.debug("Installed %r on the accelerator (%s)", scaler, precision)
+    return scaler
+
+
+class AmpAccelerator(Accelerator):
+    """An :class:`~accelerate.Accelerator` whose fp16 is real everywhere and skips are exact.
+
+    Everything is as in Accelerate (same arguments, same loop) except:
+
+    * under fp16 the loss scaler is a :class:`~amp_trainer.scaler.DynamicLossScaler`
+      (``accelerator.scaler`` and :attr:`loss_scaler` are that object), also on CPU, where
+      upstream silently runs fp32; under bf16/fp32 it is a disabled, pass-through one;
+    * ``prepare(model)`` keeps normalisation layers in FP32 under fp16/bf16
+      (:func:`~amp_trainer.precision.keep_norms_in_fp32`) unless ``keep_norms_fp32=False``;
+    * a skipped step is a skipped step for every optimizer kind, so the prepared scheduler holds
+      its learning rate and :attr:`optimizer_step_was_skipped` tells the truth;
+    * ``mixed_precision="auto"`` picks fp16 on CUDA, bf16 where the hardware has it, else fp32.
+
+    Example::
+
+        accelerator = AmpAccelerator(mixed_precision="fp16", loss_scaler={"hysteresis": 2})
+        model, optimizer, loader, scheduler = accelerator.prepare(
+            model, optimizer, loader, scheduler
+        )
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)                  # scaled
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)  # unscaled once, clipped
+                optimizer.step()                            # skipped on inf/NaN
+                scheduler.step()                            # held on a skip
+                optimizer.zero_grad()
+
+    Args:
+        loss_scaler: a :class:`DynamicLossScaler` to use, or a mapping of its keyword arguments
+            (``{"init_scale": 2.0**12, "hysteresis": 2}``), or ``None`` for the defaults (and
+            the values of a ``GradScalerKwargs`` handler, if one is passed).
+        keep_norms_fp32: keep normalisation layers in FP32 in the models ``prepare()`` sees.
+        *args, **kwargs: as :class:`accelerate.Accelerator`; ``mixed_precision`` may also come
+            from ``ACCELERATE_MIXED_PRECISION`` or an ``accelerate config`` file, as there.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_scaler: DynamicLossScaler | Mapping[str, Any] | None = None,
+        keep_norms_fp32: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("mixed_precision") == "auto":
+            device = "cpu" if kwargs.get("cpu") else None
+            resolved = resolve_precision("auto", device)
+            kwargs["mixed_precision"] = "no" if resolved == "fp32" else resolved
+        super().__init__(*args, **kwargs)
+        self.keep_norms_fp32 = bool(keep_norms_fp32)
+        self._amp_precision: str | None = None
+
+        if self.distributed_type in _ENGINE_OWNS_SCALING:
+            logger.warning(
+                "%s is in use: its engine runs its own loss scaler and our DynamicLossScaler is "
+                "not installed. Put the equivalent settings in its config with "
+                "amp_trainer.accelerate_hooks.deepspeed_fp16_config(...).",
+                self.distributed_type.value,
+            )
+            return
+        self._amp_precision = _precision_of(self)
+        if self._amp_precision is None:
+            logger.info(
+                "mixed_precision=%r runs on Accelerate's own backend; no loss scaler installed.",
+                self.mixed_precision,
+            )
+            return
+        # Upstream may already have built a torch GradScaler (fp16 on a GPU); ours replaces it
+        # here, before prepare() can hand it to any AcceleratedOptimizer.
+        self.scaler = None
+        if isinstance(loss_scaler, Mapping):
+            install_scaler(self, **dict(loss_scaler))
+        else:
+            if loss_scaler is not None and _scaler_kwargs_from_handler(self):
+                raise ValueError(
+                    "Pass either loss_scaler=DynamicLossScaler(...) or a GradScalerKwargs "
+                    "handler, not both: it is ambiguous which settings should win."
+                )
+            install_scaler(self, loss_scaler)
+
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        """The :class:`DynamicLossScaler` in use (``accelerator.scaler``); None under DeepSpeed."""
+        return self.scaler if isinstance(self.scaler, DynamicLossScaler) else None
+
+    @property
+    def precision(self) -> str | None:
+        """The precision that runs: ``"fp16"``, ``"bf16"`` or ``"fp32"`` (``None`` for engines)."""
+        return self._amp_precision
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped for inf/NaN gradients.
+
+        Accelerate's own answer (an ``AcceleratedOptimizer`` whose wrapped ``step`` was not
+        called) is right here for fused, foreach and for-loop optimizers alike, because our
+        scaler does not call ``step()`` at all on overflow.
+        """
+        return super().optimizer_step_was_skipped
+
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+    ) -> torch.nn.Module:
+        # Norm hooks go on before DDP wraps the model. Not under FSDP: its flat/sharded
+        # parameters must not be re-cast behind its back (use its MixedPrecision policy).
+        if (
+            self.keep_norms_fp32
+            and self._amp_precision in ("fp16", "bf16")
+            and self.distributed_type != DistributedType.FSDP
+        ):
+            keep_norms_in_fp32(model)
+        return super().prepare_model(
+            model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
+
+    def _raw_optimizers(self, optimizer: Any) -> list[torch.optim.Optimizer]:
+        if optimizer is None:
+            optimizers: Iterable[Any] = self._optimizers
+        elif isinstance(optimizer, (list, tuple)):
+            optimizers = optimizer
+        else:
+            optimizers = [optimizer]
+        raw = []
+        for opt in optimizers:
+            while isinstance(opt, AcceleratedOptimizer):
+                opt = opt.optimizer
+            raw.append(opt)
+        return raw
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Unscale each optimizer's gradients once per step (later calls in the step are no-ops).
+
+        Patched: upstream calls ``scaler.unscale_`` unconditionally, so an explicit call followed
+        by ``clip_grad_norm_`` (which unscales again) raises.
+        """
+        scaler = self.loss_scaler
+        if scaler is None or not scaler.is_enabled():
+            return super().unscale_gradients(optimizer)
+        for opt in self._raw_optimizers(optimizer):
+            if scaler.found_inf(opt) is None:
+                scaler.unscale_(opt)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
+        """Unscale (once), then clip; on an overflow step return ``inf`` and clip nothing.
+
+        Patched: upstream clips the overflowing gradients too, which turns their infs into NaNs
+        (``inf * 0``) for no benefit: the step is skipped either way.
+        """
+        scaler = self.loss_scaler
+        if scaler is not None and scaler.is_enabled():
+            parameters = list(parameters)
+            self.unscale_gradients()
+            if any(scaler.found_inf(opt) for opt in self._raw_optimizers(None)):
+                device = parameters[0].device if parameters else self.device
+                return torch.full((), math.inf, device=device)
+        return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+
+def _power_of_two_exponent(value: float) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"init_scale must be a number, got {value!r}")
+    if not (math.isfinite(value) and value >= 1.0):
+        raise ValueError(f"init_scale must be a finite power of two >= 1, got {value!r}")
+    mantissa, exponent = math.frexp(value)
+    if mantissa != 0.5:
+        raise ValueError(
+            f"init_scale must be a power of two (DeepSpeed stores it as initial_scale_power), got "
+            f"{value!r}; nearest: {2.0 ** round(math.log2(value))!r}"
+        )
+    return exponent - 1
+
+
+def deepspeed_fp16_config(
+    init_scale: float = 2.0**16,
+    growth_interval: int = 2000,
+    hysteresis: int = 2,
+    consecutive_hysteresis: bool = False,
+    min_scale: float = 1.0,
+    *,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Our scaler's knobs as DeepSpeed's ``"fp16"`` config section (dynamic loss scaling).
+
+    DeepSpeed scales inside its engine, so under DeepSpeed the knobs go in its config rather than
+    in a :class:`DynamicLossScaler`: ``{"fp16": deepspeed_fp16_config(hysteresis=2)}``.
+    DeepSpeed's scaler always doubles and halves, so other growth/backoff factors are refused.
+    ``extra`` adds other keys of the section as they are (``auto_cast``,
+    ``fp16_master_weights_and_grads``); it may not override the ones computed here.
+    """
+    power = _power_of_two_exponent(init_scale)
+    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)):
+        raise TypeError(f"min_scale must be a number, got {min_scale!r}")
+    if not (math.isfinite(min_scale) and 0 < min_scale <= init_scale):
+        raise ValueError(f"min_scale must be in (0, init_scale={init_scale!r}], got {min_scale!r}")
+    if growth_factor != 2.0 or backoff_factor != 0.5:
+        raise ValueError(
+            "DeepSpeed's dynamic loss scaler only doubles and halves the scale: growth_factor "
+            f"must be 2.0 and backoff_factor 0.5, got {growth_factor!r} and {backoff_factor!r}"
+        )
+    config: dict[str, Any] = {
+        "enabled": True,
+        "loss_scale": 0,  # 0 = dynamic loss scaling
+        "initial_scale_power": power,
+        "loss_scale_window": growth_interval,
+        "hysteresis": hysteresis,
+        "consecutive_hysteresis": bool(consecutive_hysteresis),
+        "min_loss_scale": min_scale,
+    }
+    clash = sorted(set(extra) & set(config))
+    if clash:
+        raise ValueError(
+            f"deepspeed_fp16_config() computes {clash} itself; pass them as its arguments"
+        )
+    config.update(extra)
+    return config
