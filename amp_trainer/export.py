@@ -1,0 +1,878 @@
+"""FP16 inference export with a parity report: safetensors, optionally TorchScript and ONNX.
+
+An FP16 export is only worth shipping if it computes what the FP32 model computes. So
+:func:`export_fp16` does not just call ``model.half()``:
+
+1. normalisation layers stay FP32 (:func:`amp_trainer.precision.keep_norms_in_fp32`): their
+   mean/variance reductions are where FP16 loses the most;
+2. an *overflow guard* runs the FP16 model on sample inputs with forward hooks and finds the first
+   module whose FP16 output leaves the FP16 range (``|x| > 65504`` becomes ``inf``) or goes NaN
+   while its inputs were finite. That module is kept in FP32 (an "FP32 island": inputs upcast, the
+   module run in FP32, outputs cast back to FP16). If the island's own output still does not fit
+   FP16, the island grows to the enclosing module (a residual block ending in a LayerNorm usually
+   brings values back into range). Bounded; every guarded module is named in the report;
+3. the FP16 model (and every extra format) is compared with the FP32 model on the same inputs:
+   max/mean absolute and relative error of the logits, top-1 agreement, non-finite count;
+4. nothing is written unless the parity thresholds pass (or ``force=True``): everything goes to a
+   temporary folder next to the target, renamed into place at the end.
+
+Reload an export with :func:`load_fp16_export`. A plain
+``AutoModel*.from_pretrained(out, dtype=torch.float16)`` also works, but transformers 5 casts every
+floating tensor to the requested dtype (its ``_keep_in_fp32_modules`` is a class attribute, never
+read from the config), so the FP32 norms and guarded modules come back FP16 and without their
+hooks: outputs then differ slightly from the report, and an overflow the guard fixed comes back.
+
+Example::
+
+    report = export_fp16("runs/bert-sst2", "runs/bert-sst2-fp16", formats=("safetensors", "onnx"))
+    print(report.to_markdown())
+    model = load_fp16_export("runs/bert-sst2-fp16")
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "DEFAULT_SAMPLE_TEXTS",
+    "FORMATS",
+    "FP16_MAX",
+    "ExportReport",
+    "ParityResult",
+    "export_fp16",
+    "load_fp16_export",
+    "load_model",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Largest finite float16 value; anything larger becomes ``inf`` when cast to FP16.
+FP16_MAX = float(torch.finfo(torch.float16).max)
+#: Formats :func:`export_fp16` can write. safetensors is always written (it is what
+#: ``from_pretrained`` reloads); the others are extras.
+FORMATS = ("safetensors", "torchscript", "onnx")
+#: Used for the parity check when a tokenizer is available but no texts were given.
+DEFAULT_SAMPLE_TEXTS = (
+    "The movie was a delight from start to finish.",
+    "I would not recommend this restaurant to anyone.",
+    "Mixed precision training keeps master weights in float32.",
+    "The gradient scaler multiplies the loss before the backward pass.",
+    "It rained all day, so we stayed inside and read.",
+    "Stock prices fell sharply after the announcement.",
+    "A quick brown fox jumps over the lazy dog.",
+    "Half precision overflows above sixty-five thousand five hundred and four.",
+)
+# The key in config.json under which the export records what it kept in FP32.
+CONFIG_KEY = "amp_trainer_export"
+_OUTPUT_NAMES = ("logits", "last_hidden_state")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+_RANDOM_BATCH, _RANDOM_LENGTH = 8, 16
+
+
+# --------------------------------------------------------------------------------------------
+# reports
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParityResult:
+    """How one exported artifact's outputs compare with the FP32 model's on the sample inputs.
+
+    Errors are taken over the real (non-padding) positions only. Relative errors are normwise
+    (error divided by the reference's magnitude: ``max_rel_error = max_abs_error / max|ref|``,
+    ``mean_rel_error = mean_abs_error / mean|ref|``), because elementwise relative error explodes
+    on logits near zero and says nothing. ``top1_agreement`` is the fraction of positions whose
+    argmax over the last dimension matches (``None`` for hidden states, where it means nothing).
+    """
+
+    format: str
+    output: str
+    positions: int
+    max_abs_error: float
+    mean_abs_error: float
+    max_rel_error: float
+    mean_rel_error: float
+    top1_agreement: float | None
+    nonfinite: int
+    passed: bool
+    failures: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["failures"] = list(self.failures)
+        return data
+
+
+@dataclass
+class ExportReport:
+    """Everything :func:`export_fp16` did and measured; ``report.json`` is :meth:`to_dict`."""
+
+    source: str
+    output_dir: str
+    passed: bool
+    written: bool
+    forced: bool
+    fp32_modules: list[str]
+    overflow_guarded_modules: list[str]
+    parity: dict[str, ParityResult]
+    thresholds: dict[str, float | None]
+    source_bytes: int
+    source_bytes_measured: bool
+    export_bytes: int
+    files: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def size_ratio(self) -> float | None:
+        """Exported weights size over the FP32 source's (about 0.5 for a clean FP16 export)."""
+        if not self.source_bytes or not self.export_bytes:
+            return None
+        return self.export_bytes / self.source_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["parity"] = {name: result.to_dict() for name, result in self.parity.items()}
+        data["size_ratio"] = self.size_ratio
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    def to_markdown(self) -> str:
+        """A human-readable summary: verdict, sizes, kept-FP32 modules and the parity table."""
+        verdict = (
+            "PASSED"
+            if self.passed
+            else ("FAILED (written anyway: force)" if self.forced else "FAILED")
+        )
+        lines = [f"## FP16 export: {verdict}", "", f"- source: `{self.source}`"]
+        where = self.output_dir if self.written else f"{self.output_dir} (nothing written)"
+        lines.append(f"- output: `{where}`")
+        size = _human_bytes(self.source_bytes) + ("" if self.source_bytes_measured else " (est.)")
+        lines.append(
+            f"- weights: {_human_bytes(self.export_bytes)} FP16 vs {size} FP32"
+            + (f" ({self.size_ratio:.2f}x)" if self.size_ratio else "")
+        )
+        lines.append(f"- norm layers kept FP32: {len(self.fp32_modules)}")
+        guarded = ", ".join(f"`{n}`" for n in self.overflow_guarded_modules) or "none"
+        lines.append(f"- kept FP32 by the overflow guard: {guarded}")
+        limits = ", ".join(f"{k}={v}" for k, v in self.thresholds.items() if v is not None)
+        lines += [f"- thresholds: {limits}", ""]
+        lines.append(
+            "| format | positions | max abs err | mean abs err | max rel err | top-1 agree "
+            "| non-finite | ok |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for result in self.parity.values():
+            top1 = "n/a" if result.top1_agreement is None else f"{result.top1_agreement:.4f}"
+            lines.append(
+                f"| {result.format} | {result.positions} | {result.max_abs_error:.3g} "
+                f"| {result.mean_abs_error:.3g} | {result.max_rel_error:.3g} | {top1} "
+                f"| {result.nonfinite} | {'yes' if result.passed else 'NO'} |"
+            )
+        if self.failures:
+            lines += ["", "Why it failed:"] + [f"- {reason}" for reason in self.failures]
+        if self.notes:
+            lines += ["", "Notes:"] + [f"- {note}" for note in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.1f} GiB"  # pragma: no cover - unreachable
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+def load_model(
+    path_or_id: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """Load a transformers model with the head its config names (``config.architectures[0]``).
+
+    ``AutoModel`` would silently drop a classification or LM head, and the head's logits are what
+    parity (and the NaN doctor's loss) needs. Falls back to ``AutoModel`` when the config names no
+    architecture transformers knows.
+    """
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path_or_id)
+    cls: Any = transformers.AutoModel
+    for arch in getattr(config, "architectures", None) or ():
+        if hasattr(transformers, arch):
+            cls = getattr(transformers, arch)
+            break
+    return cls.from_pretrained(path_or_id, dtype=dtype)
+
+
+def _load_tokenizer(path_or_id: str | os.PathLike[str]) -> Any | None:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path_or_id)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        logger.info("No tokenizer at %s (%s); parity uses random token ids.", path_or_id, err)
+        return None
+
+
+def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = None) -> nn.Module:
+    """Reload an :func:`export_fp16` folder exactly as it was measured.
+
+    ``from_pretrained(path, dtype=torch.float16)`` casts every tensor to FP16; this then restores
+    the modules the export kept in FP32 (their FP32 weights are in the safetensors file) and
+    re-attaches the hooks that run them in FP32, so outputs match the parity report.
+    """
+    from safetensors import safe_open
+
+    from amp_trainer.precision import keep_norms_in_fp32
+
+    path = Path(path)
+    if model_class is None:
+        model = load_model(path, dtype=torch.float16)
+    else:
+        model = model_class.from_pretrained(path, dtype=torch.float16)
+    info = getattr(model.config, CONFIG_KEY, None) or {}
+    norms = list(info.get("fp32_modules", []))
+    guarded = list(info.get("overflow_guarded_modules", []))
+    kept = [*norms, *guarded]
+    if kept:
+        modules = dict(model.named_modules())
+        wanted: dict[str, torch.Tensor] = {}
+        prefixes = tuple(name + "." for name in kept)
+        state = model.state_dict()
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
+                    if key.startswith(prefixes) and key in state:
+                        wanted[key] = handle.get_tensor(key)
+        for name in kept:
+            if name not in modules:
+                raise ValueError(
+                    f"{path}: config lists {name!r} as kept in FP32, but the model has no such "
+                    "module; was the folder written by a different model class?"
+                )
+            modules[name].float()
+        with torch.no_grad():
+            for key, tensor in wanted.items():
+                state[key].copy_(tensor.to(torch.float32))
+        if norms:
+            keep_norms_in_fp32(model)
+        for name in guarded:
+            _add_island(modules[name])
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# FP32 islands and the overflow guard
+# --------------------------------------------------------------------------------------------
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor inside ``value`` (tensors, tuples, lists, dicts, ModelOutputs)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_cast_floats(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        cast = {k: _cast_floats(v, dtype) for k, v in value.items()}
+        try:  # keep ModelOutput and other dict subclasses what they were
+            return type(value)(**cast)
+        except TypeError:
+            return cast
+    return value
+
+
+def _iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _iter_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _iter_tensors(item)
+
+
+def _all_finite(value: Any, limit: float = math.inf) -> bool:
+    for tensor in _iter_tensors(value):
+        if tensor.is_floating_point() and tensor.numel():
+            if not bool(torch.isfinite(tensor).all()):
+                return False
+            if limit != math.inf and float(tensor.abs().max()) > limit:
+                return False
+    return True
+
+
+class _Fp32Island:
+    """Forward hooks that run one module in FP32 inside an FP16 model (export time, no autocast).
+
+    A top-level class, not closures, so the model still deep-copies and pickles. Unlike the norm
+    hooks of :mod:`amp_trainer.precision` (which cast back to the *input's* dtype, whatever it
+    is), an island always hands FP16 to the FP16 code around it: that is what the guard measures.
+    """
+
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
+
+    def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        return _cast_floats(output, torch.float16)
+
+
+def _add_island(
+    module: nn.Module, fp32_state: Mapping[str, torch.Tensor] | None = None
+) -> list[Any]:
+    """Make ``module`` an FP32 island; ``fp32_state`` restores weights that ``.half()`` rounded
+    (or turned into ``inf``: a weight above 65504 does not survive the cast)."""
+    module.float()
+    if fp32_state is not None:
+        with torch.no_grad():
+            for key, value in module.state_dict().items():
+                if key in fp32_state and value.is_floating_point():
+                    value.copy_(fp32_state[key].to(torch.float32))
+    hooks = _Fp32Island()
+    return [
+        module.register_forward_pre_hook(hooks.pre_forward, with_kwargs=True),
+        module.register_forward_hook(hooks.post_forward),
+    ]
+
+
+class _OverflowProbe:
+    """Finds the first module (in completion order, so the innermost) whose output is out of the
+    FP16 range or non-finite although its inputs were finite: the module that *made* the overflow,
+    not one of the many it propagated through."""
+
+    def __init__(self, model: nn.Module, islands: Iterable[str] = ()) -> None:
+        self.first: str | None = None
+        self.called: set[str] = set()
+        self._handles = []
+        inside = tuple(name + "." for name in islands)
+        for name, module in model.named_modules():
+            if name.startswith(inside):
+                continue  # runs in FP32 inside an island: only the island's FP16 output counts
+            hook = self._make_hook(name)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+    def _make_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            self.called.add(name)
+            if self.first is not None:
+                return
+            if not _all_finite(output, FP16_MAX) and _all_finite((args, kwargs)):
+                self.first = name
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _enclosing_called(name: str, called: set[str]) -> str:
+    """The nearest ancestor of ``name`` that ran a forward (``""`` is the root)."""
+    while name:
+        name = name.rsplit(".", 1)[0] if "." in name else ""
+        if name in called:
+            return name
+    return ""
+
+
+def _guard_overflows(
+    model: nn.Module,
+    source: nn.Module,
+    inputs: Mapping[str, torch.Tensor],
+    max_iterations: int,
+) -> tuple[list[str], list[str]]:
+    """Keep modules in FP32 until an FP16 forward on ``inputs`` is clean (bounded).
+
+    Returns (guarded module names, failures). Each iteration runs one forward with probes: the
+    first overflowing module becomes an island; an island that itself overflows (its FP32 output
+    does not fit FP16) is replaced by its nearest enclosing module that runs a forward (not a
+    ModuleList), whose descendants' islands are dropped. Island weights come from ``source``
+    (the FP32 model), not from the halved copy.
+    """
+    modules = dict(model.named_modules())
+    source_modules = dict(source.named_modules())
+    islands: dict[str, list[Any]] = {}
+    for _ in range(max_iterations):
+        probe = _OverflowProbe(model, islands)
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        finally:
+            probe.remove()
+        culprit = probe.first
+        if culprit is None:
+            return sorted(islands), []
+        target = culprit
+        if culprit in islands:
+            target = _enclosing_called(culprit, probe.called)
+        if target == "":
+            return sorted(islands), [
+                f"module {culprit or '<root>'!r} overflows FP16 and no enclosing module below the "
+                "root brings its output back into the FP16 range; this model cannot be exported "
+                "to FP16 as is"
+            ]
+        for name in [n for n in islands if n.startswith(target + ".")]:
+            for handle in islands.pop(name):
+                handle.remove()
+        logger.info("Overflow guard: keeping %r in FP32 (first FP16 overflow: %r)", target, culprit)
+        islands[target] = _add_island(modules[target], source_modules[target].state_dict())
+    return sorted(islands), [
+        f"overflow guard gave up after {max_iterations} iterations; still overflowing: "
+        f"{sorted(islands)}"
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# sample inputs and parity
+# --------------------------------------------------------------------------------------------
+def _sample_inputs(
+    model: nn.Module, tokenizer: Any | None, texts: Sequence[str] | None, seed: int
+) -> dict[str, torch.Tensor]:
+    """One padded batch: the texts (or built-in ones) through the tokenizer, else random ids.
+
+    Padding is done here, not by the tokenizer, so a tokenizer without a pad token (GPT-2) works;
+    padded positions get id 0 and mask 0 and are excluded from parity.
+    """
+    config = model.config
+    max_len = min(
+        128,
+        getattr(config, "max_position_embeddings", None)
+        or getattr(config, "n_positions", None)
+        or 128,
+    )
+    if tokenizer is None:
+        if texts:
+            raise ValueError("sample texts were given but there is no tokenizer to encode them")
+        generator = torch.Generator().manual_seed(seed)
+        vocab = int(config.vocab_size)
+        length = min(_RANDOM_LENGTH, max_len)
+        ids = torch.randint(0, vocab, (_RANDOM_BATCH, length), generator=generator)
+        mask = torch.ones_like(ids)
+        for row in range(1, _RANDOM_BATCH, 2):  # every other row padded: masks are exercised
+            mask[row, length - row // 2 - 1 :] = 0
+        return {"input_ids": ids * mask, "attention_mask": mask}
+    encoded = [
+        tokenizer(text, truncation=True, max_length=max_len)
+        for text in (texts or DEFAULT_SAMPLE_TEXTS)
+    ]
+    width = max(len(e["input_ids"]) for e in encoded)
+    batch: dict[str, torch.Tensor] = {}
+    keys = [k for k in ("input_ids", "token_type_ids") if k in encoded[0]]
+    for key in keys:
+        batch[key] = torch.tensor(
+            [list(e[key]) + [0] * (width - len(e[key])) for e in encoded], dtype=torch.long
+        )
+    batch["attention_mask"] = torch.tensor(
+        [[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"])) for e in encoded],
+        dtype=torch.long,
+    )
+    return batch
+
+
+def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    extra: dict[str, Any] = {"return_dict": True}
+    if "use_cache" in params or "kwargs" in params:
+        extra["use_cache"] = False
+    return extra
+
+
+def _pick_output(output: Any) -> tuple[str, torch.Tensor]:
+    for name in _OUTPUT_NAMES:
+        value = output.get(name) if isinstance(output, Mapping) else None
+        if isinstance(value, torch.Tensor):
+            return name, value
+    raise ValueError(
+        f"model output has none of {_OUTPUT_NAMES}; cannot compare FP16 and FP32 outputs "
+        f"(got {type(output).__name__})"
+    )
+
+
+class _OutputOnly(nn.Module):
+    """``model(**inputs)[output_name]`` as a module of plain tensors, for TorchScript and ONNX."""
+
+    def __init__(self, model: nn.Module, output_name: str) -> None:
+        super().__init__()
+        self.model = model
+        self.output_name = output_name
+        self._extra = _forward_kwargs(model)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        return self.model(**kwargs, **self._extra)[self.output_name]
+
+
+def _compare(
+    fmt: str,
+    output_name: str,
+    reference: torch.Tensor,
+    candidate: torch.Tensor,
+    mask: torch.Tensor,
+    thresholds: Mapping[str, float | None],
+) -> ParityResult:
+    if candidate.shape != reference.shape:
+        raise RuntimeError(
+            f"{fmt}: output shape {tuple(candidate.shape)} != FP32 {tuple(reference.shape)}"
+        )
+    # [batch, seq, ...] outputs are compared on real tokens; [batch, classes] on every row.
+    keep = mask.bool() if reference.dim() >= 3 else torch.ones(len(reference), dtype=torch.bool)
+    ref = reference.float()[keep]
+    cand = candidate.float()[keep]
+    finite = torch.isfinite(cand)
+    nonfinite = int((~finite).sum())
+    diff = (cand - ref).abs()
+    diff = torch.where(finite, diff, torch.zeros_like(diff))
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    mean_abs = float(diff.mean()) if diff.numel() else 0.0
+    ref_abs = ref.abs()
+    max_rel = max_abs / max(float(ref_abs.max()), 1e-12) if ref.numel() else 0.0
+    mean_rel = mean_abs / max(float(ref_abs.mean()), 1e-12) if ref.numel() else 0.0
+    top1 = None
+    if output_name == "logits":
+        top1 = float((cand.argmax(-1) == ref.argmax(-1)).float().mean()) if ref.numel() else 1.0
+    failures = []
+    if nonfinite:
+        failures.append(f"{fmt}: {nonfinite} non-finite output value(s)")
+    limit = thresholds.get("max_abs_error")
+    if limit is not None and max_abs > limit:
+        failures.append(f"{fmt}: max abs error {max_abs:.4g} > max_abs_error={limit}")
+    limit = thresholds.get("max_rel_error")
+    if limit is not None and max_rel > limit:
+        failures.append(f"{fmt}: max rel error {max_rel:.4g} > max_rel_error={limit}")
+    limit = thresholds.get("min_top1_agreement")
+    if limit is not None and top1 is not None and top1 < limit:
+        failures.append(f"{fmt}: top-1 agreement {top1:.4f} < min_top1_agreement={limit}")
+    return ParityResult(
+        format=fmt,
+        output=output_name,
+        positions=int(ref.shape[0]) if ref.dim() else 1,
+        max_abs_error=max_abs,
+        mean_abs_error=mean_abs,
+        max_rel_error=max_rel,
+        mean_rel_error=mean_rel,
+        top1_agreement=top1,
+        nonfinite=nonfinite,
+        passed=not failures,
+        failures=tuple(failures),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# extra formats
+# --------------------------------------------------------------------------------------------
+def _export_torchscript(
+    wrapper: _OutputOnly, inputs: Mapping[str, torch.Tensor], path: Path
+) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # Tracing warns about every Python-level shape check in modeling code; the trace is
+        # validated below against the FP32 reference instead.
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(wrapper, example_kwarg_inputs=dict(inputs), strict=False)
+    torch.jit.save(traced, str(path))
+    reloaded = torch.jit.load(str(path))
+    with torch.no_grad():
+        return reloaded(**inputs)
+
+
+def _export_onnx(
+    wrapper: _OutputOnly, inputs: Mapping[str, torch.Tensor], path: Path
+) -> torch.Tensor:
+    import onnxruntime
+
+    dims = {0: "batch", 1: "sequence"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            wrapper,
+            (),
+            str(path),
+            kwargs=dict(inputs),
+            dynamo=True,
+            dynamic_shapes={name: dims for name in inputs},
+            output_names=[wrapper.output_name],
+            external_data=False,
+            verbose=False,
+        )
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: inputs[i.name].numpy() for i in session.get_inputs()}
+    (result,) = session.run([wrapper.output_name], feeds)
+    return torch.from_numpy(result)
+
+
+def _check_export_extra(formats: Iterable[str]) -> None:
+    if "onnx" in formats:
+        missing = [
+            m for m in ("onnx", "onnxruntime", "onnxscript") if not importlib.util.find_spec(m)
+        ]
+        if missing:
+            raise ImportError(
+                f"ONNX export needs {', '.join(missing)}: pip install 'amp-trainer[export]'"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# sizes and atomic writes
+# --------------------------------------------------------------------------------------------
+def _weights_bytes(folder: Path) -> int:
+    return sum(
+        p.stat().st_size
+        for p in folder.iterdir()
+        if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES) and "tokenizer" not in p.name
+    )
+
+
+def _fp32_bytes(model: nn.Module) -> int:
+    """Bytes the model's state would take as FP32 safetensors (shared storages counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        itemsize = 4 if tensor.is_floating_point() else tensor.element_size()
+        total += tensor.numel() * itemsize
+    return total
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _install(staging: Path, target: Path) -> None:
+    """Move the finished staging folder to ``target``, replacing an existing one last."""
+    if target.exists():
+        trash = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(target, trash)
+        os.replace(staging, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+
+
+def _check_threshold(name: str, value: float | None, low: float, high: float) -> None:
+    if value is None:
+        return
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not (low <= float(value) <= high)
+    ):
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# the export
+# --------------------------------------------------------------------------------------------
+def export_fp16(
+    model_or_path: nn.Module | str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    tokenizer: Any | None = None,
+    sample_texts: Sequence[str] | None = None,
+    keep_norms_fp32: bool = True,
+    overflow_guard: bool = True,
+    max_abs_error: float | None = None,
+    max_rel_error: float | None = 2e-2,
+    min_top1_agreement: float | None = 0.98,
+    formats: Sequence[str] = ("safetensors",),
+    force: bool = False,
+    overwrite: bool = False,
+    max_guard_iterations: int = 16,
+    seed: int = 0,
+) -> ExportReport:
+    """Export ``model_or_path`` to FP16 in ``output_dir`` and report its parity with FP32.
+
+    Args:
+        model_or_path: a transformers model (not modified: the export works on a copy) or a
+            folder / hub id that :func:`load_model` can load.
+        output_dir: the folder to create (``save_pretrained`` layout, plus ``report.json``,
+            ``report.md`` and ``model.torchscript.pt`` / ``model.onnx`` when asked for).
+        tokenizer: saved alongside and used to encode the sample texts; loaded from
+            ``model_or_path`` when that is a folder and this is ``None``.
+        sample_texts: parity inputs; default: built-in sentences with a tokenizer, random valid
+            token ids without one.
+        keep_norms_fp32: keep normalisation layers FP32 (parameters and arithmetic).
+        overflow_guard: keep modules whose FP16 output overflows in FP32 automatically.
+        max_abs_error: largest allowed absolute error of the logits; ``None`` = not checked (the
+            default: the scale of logits varies by model, see ``max_rel_error``).
+        max_rel_error: largest allowed normwise relative error (``max|d| / max|ref|``), in [0, 1].
+        min_top1_agreement: smallest allowed argmax agreement over real positions, in [0, 1].
+        formats: any of ``"safetensors"`` (always written), ``"torchscript"``, ``"onnx"`` (needs
+            the ``export`` extra; checked in onnxruntime's CPU provider).
+        force: write the export even when parity fails (the report still says FAILED).
+        overwrite: replace an existing ``output_dir`` (only once the new export is complete).
+        max_guard_iterations: forward passes the overflow guard may spend.
+        seed: for the random sample ids.
+
+    Returns:
+        The :class:`ExportReport`. ``report.passed`` is the parity verdict; ``report.written``
+        whether ``output_dir`` now holds the export. When parity fails and ``force`` is false,
+        nothing is written, not even a partial folder.
+    """
+    from amp_trainer.precision import keep_norms_in_fp32
+
+    formats = tuple(dict.fromkeys(["safetensors", *formats]))
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown export format(s) {unknown}; valid formats are {list(FORMATS)}")
+    _check_threshold("max_abs_error", max_abs_error, 0.0, math.inf)
+    _check_threshold("max_rel_error", max_rel_error, 0.0, 1.0)
+    _check_threshold("min_top1_agreement", min_top1_agreement, 0.0, 1.0)
+    if not isinstance(max_guard_iterations, int) or max_guard_iterations < 1:
+        raise ValueError(f"max_guard_iterations must be an int >= 1, got {max_guard_iterations!r}")
+    _check_export_extra(formats)
+    target = Path(output_dir).resolve()
+    if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target} already exists and is not empty; pass overwrite=True")
+
+    # Source model and its FP32 reference.
+    if isinstance(model_or_path, nn.Module):
+        source_model = model_or_path
+        source = type(model_or_path).__name__
+        source_bytes, measured = _fp32_bytes(model_or_path), False
+    else:
+        source = str(model_or_path)
+        source_model = load_model(model_or_path, dtype=torch.float32)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(model_or_path)
+        local = Path(model_or_path)
+        if local.is_dir() and _weights_bytes(local):
+            source_bytes, measured = _weights_bytes(local), True
+        else:
+            source_bytes, measured = _fp32_bytes(source_model), False
+    reference_model = source_model
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in source_model.parameters()):
+        reference_model = copy.deepcopy(source_model).float()
+    thresholds = {
+        "max_abs_error": max_abs_error,
+        "max_rel_error": max_rel_error,
+        "min_top1_agreement": min_top1_agreement,
+    }
+    inputs = _sample_inputs(source_model, tokenizer, sample_texts, seed)
+    extra = _forward_kwargs(source_model)
+    was_training = reference_model.training
+    reference_model.eval()
+    try:
+        with torch.no_grad():
+            output_name, reference = _pick_output(reference_model(**inputs, **extra))
+    finally:
+        reference_model.train(was_training)
+    reference = reference.detach().float()
+
+    # The FP16 model: a copy, norms FP32, overflowing modules FP32.
+    fp16 = copy.deepcopy(source_model).eval().half()
+    norms = keep_norms_in_fp32(fp16) if keep_norms_fp32 else []
+    guarded: list[str] = []
+    failures: list[str] = []
+    if overflow_guard:
+        guarded, failures = _guard_overflows(
+            fp16, source_model, {**inputs, **extra}, max_guard_iterations
+        )
+    with torch.no_grad():
+        _, candidate = _pick_output(fp16(**inputs, **extra))
+    mask = inputs["attention_mask"]
+    parity = {"pytorch": _compare("pytorch", output_name, reference, candidate, mask, thresholds)}
+    notes: list[str] = []
+    if guarded:
+        notes.append(
+            "modules kept FP32 by the overflow guard come back FP16 (and overflow again) with a "
+            "plain from_pretrained(dtype=torch.float16); reload with "
+            "amp_trainer.export.load_fp16_export"
+        )
+
+    # Write everything into a staging folder next to the target; rename at the end.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    report = ExportReport(
+        source=source,
+        output_dir=str(target),
+        passed=False,
+        written=False,
+        forced=False,
+        fp32_modules=list(norms),
+        overflow_guarded_modules=guarded,
+        parity=parity,
+        thresholds=thresholds,
+        source_bytes=source_bytes,
+        source_bytes_measured=measured,
+        export_bytes=0,
+        failures=failures,
+        notes=notes,
+    )
+    try:
+        fp16.config.update(
+            {
+                CONFIG_KEY: {
+                    "fp32_modules": list(norms),
+                    "overflow_guarded_modules": guarded,
+                    "reload_with": "amp_trainer.export.load_fp16_export",
+                }
+            }
+        )
+        fp16.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        report.export_bytes = _weights_bytes(staging)
+        wrapper = _OutputOnly(fp16, output_name).eval()
+        if "torchscript" in formats:
+            outputs = _export_torchscript(wrapper, inputs, staging / "model.torchscript.pt")
+            parity["torchscript"] = _compare(
+                "torchscript", output_name, reference, outputs, mask, thresholds
+            )
+        if "onnx" in formats:
+            outputs = _export_onnx(wrapper, inputs, staging / "model.onnx")
+            parity["onnx"] = _compare("onnx", output_name, reference, outputs, mask, thresholds)
+        for result in parity.values():
+            failures.extend(result.failures)
+        report.passed = not failures
+        report.forced = not report.passed and force
+        if report.passed or force:
+            report.written = True
+            report.files = sorted(
+                [p.name for p in staging.iterdir()] + ["report.json", "report.md"]
+            )
+            _write_text_atomic(staging / "report.json", report.to_json())
+            _write_text_atomic(staging / "report.md", report.to_markdown())
+            _install(staging, target)
+            logger.info("FP16 export written to %s", target)
+        else:
+            logger.warning("FP16 export failed parity; nothing written: %s", "; ".join(failures))
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return report
