@@ -42,13 +42,15 @@ import shutil
 import tempfile
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from amp_trainer.doctor import FP16_MAX, OverflowProbe
 
 __all__ = [
     "DEFAULT_SAMPLE_TEXTS",
@@ -63,8 +65,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Largest finite float16 value; anything larger becomes ``inf`` when cast to FP16.
-FP16_MAX = float(torch.finfo(torch.float16).max)
 #: Formats :func:`export_fp16` can write. safetensors is always written (it is what
 #: ``from_pretrained`` reloads); the others are extras.
 FORMATS = ("safetensors", "torchscript", "onnx")
@@ -302,27 +302,6 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _iter_tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _iter_tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _iter_tensors(item)
-
-
-def _all_finite(value: Any, limit: float = math.inf) -> bool:
-    for tensor in _iter_tensors(value):
-        if tensor.is_floating_point() and tensor.numel():
-            if not bool(torch.isfinite(tensor).all()):
-                return False
-            if limit != math.inf and float(tensor.abs().max()) > limit:
-                return False
-    return True
-
-
 class _Fp32Island:
     """Forward hooks that run one module in FP32 inside an FP16 model (export time, no autocast).
 
@@ -358,37 +337,6 @@ def _add_island(
     ]
 
 
-class _OverflowProbe:
-    """Finds the first module (in completion order, so the innermost) whose output is out of the
-    FP16 range or non-finite although its inputs were finite: the module that *made* the overflow,
-    not one of the many it propagated through."""
-
-    def __init__(self, model: nn.Module, islands: Iterable[str] = ()) -> None:
-        self.first: str | None = None
-        self.called: set[str] = set()
-        self._handles = []
-        inside = tuple(name + "." for name in islands)
-        for name, module in model.named_modules():
-            if name.startswith(inside):
-                continue  # runs in FP32 inside an island: only the island's FP16 output counts
-            hook = self._make_hook(name)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-
-    def _make_hook(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            self.called.add(name)
-            if self.first is not None:
-                return
-            if not _all_finite(output, FP16_MAX) and _all_finite((args, kwargs)):
-                self.first = name
-
-        return hook
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
 def _enclosing_called(name: str, called: set[str]) -> str:
     """The nearest ancestor of ``name`` that ran a forward (``""`` is the root)."""
     while name:
@@ -416,12 +364,8 @@ def _guard_overflows(
     source_modules = dict(source.named_modules())
     islands: dict[str, list[Any]] = {}
     for _ in range(max_iterations):
-        probe = _OverflowProbe(model, islands)
-        try:
-            with torch.no_grad():
-                model(**inputs)
-        finally:
-            probe.remove()
+        with OverflowProbe(model, limit=FP16_MAX, skip_under=islands) as probe, torch.no_grad():
+            model(**inputs)
         culprit = probe.first
         if culprit is None:
             return sorted(islands), []

@@ -1,0 +1,573 @@
+"""The NaN doctor: the seed's four-step inf/NaN triage, automated, with culprits named.
+
+When FP16 training produces NaN, the practitioner's checklist is always the same, and each step
+rules out one cause:
+
+1. run the same batch in pure FP32: NaN there too means the data, the model or the learning rate,
+   not mixed precision;
+2. autocast FP16 with the scaler off: breaks only now means an FP16-unfriendly operation (a
+   layer whose activations leave FP16's range, |x| > 65504);
+3. full AMP with :class:`~amp_trainer.scaler.DynamicLossScaler` watching the model: which
+   parameters' gradients are non-finite, by name, and how the loss scale behaves;
+4. rerun at lr/10 (then /100, /1000): "fine for a few steps, then NaN" is usually the learning
+   rate.
+
+:func:`diagnose` runs all of them on *copies* of the model (the caller's model, optimizer and
+RNG-free state are untouched) and one batch, with forward hooks (:class:`OverflowProbe`) that name
+the first module whose output went non-finite or out of the FP16 range although its inputs were
+fine: the module that *made* the overflow, not the dozens it propagated through. It returns a
+:class:`Diagnosis` with a :class:`Verdict`, plain words and a suggested fix.
+
+Example::
+
+    from amp_trainer.doctor import diagnose
+    diagnosis = diagnose(model, batch, lr=5e-5, steps=4)
+    print(diagnosis)                  # verdict, culprit, suggested fix, one line per stage
+    assert diagnosis.verdict is Verdict.HEALTHY
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "FP16_MAX",
+    "Diagnosis",
+    "OverflowProbe",
+    "StageResult",
+    "Verdict",
+    "all_finite",
+    "diagnose",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Largest finite float16 value; anything larger becomes ``inf`` in FP16.
+FP16_MAX = float(torch.finfo(torch.float16).max)
+# lr / 10, / 100, / 1000: the seed says "try lr/10 first"; an absurd lr needs more than one rung.
+_LR_DIVISORS = (10.0, 100.0, 1000.0)
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
+LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
+
+
+class Verdict(str, Enum):
+    """What the triage concluded. A ``str`` enum so it serialises as its value."""
+
+    HEALTHY = "healthy"
+    DATA = "data"
+    MODEL = "model"
+    LEARNING_RATE = "learning_rate"
+    FP16_UNFRIENDLY_LAYER = "fp16_unfriendly_layer"
+    UNRESOLVED = "unresolved"
+
+
+# --------------------------------------------------------------------------------------------
+# the probe
+# --------------------------------------------------------------------------------------------
+def _iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _iter_tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _iter_tensors(item)
+
+
+def all_finite(value: Any, limit: float = math.inf) -> bool:
+    """Whether every floating tensor in ``value`` is finite and (if ``limit``) ``|x| <= limit``."""
+    for tensor in _iter_tensors(value):
+        if tensor.is_floating_point() and tensor.numel():
+            if not bool(torch.isfinite(tensor).all()):
+                return False
+            if limit != math.inf and float(tensor.detach().abs().max()) > limit:
+                return False
+    return True
+
+
+class OverflowProbe:
+    """Forward hooks that name the first module whose output overflows although its inputs don't.
+
+    "First" is in completion order, so when a Linear inside an MLP inside a block overflows, the
+    Linear is named (it finishes first), not the block. ``limit`` is the largest allowed
+    magnitude: ``FP16_MAX`` to catch values an FP16 tensor cannot hold (they are ``inf`` already
+    if the tensor is FP16; an FP32 tensor above it would overflow when cast), ``math.inf`` to catch
+    only inf/NaN. Modules under a name in ``skip_under`` are not probed (the exporter's FP32
+    islands: only the island's FP16 output matters). A context manager; hooks are removed on exit.
+    """
+
+    def __init__(
+        self, model: nn.Module, *, limit: float = FP16_MAX, skip_under: Iterable[str] = ()
+    ) -> None:
+        self.first: str | None = None
+        self.called: set[str] = set()
+        self._limit = limit
+        self._handles: list[Any] = []
+        inside = tuple(name + "." for name in skip_under)
+        for name, module in model.named_modules():
+            if inside and name.startswith(inside):
+                continue
+            self._handles.append(
+                module.register_forward_hook(self._make_hook(name), with_kwargs=True)
+            )
+
+    def _make_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            self.called.add(name)
+            if (
+                self.first is None
+                and not all_finite(output, self._limit)
+                and all_finite((args, kwargs), self._limit)
+            ):
+                self.first = name
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> OverflowProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+# --------------------------------------------------------------------------------------------
+# results
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageResult:
+    """One triage run: ``steps`` optimizer steps on copies of the model and batch.
+
+    ``first_bad_step`` is the 0-based step whose loss or (unscaled, for the stages without a
+    scaler) gradients were non-finite, ``None`` if none was. ``overflow_module`` is the first
+    module the :class:`OverflowProbe` caught (FP16 range in the FP16 stages, inf/NaN in FP32),
+    ``overflow_step`` the step it happened in. ``nonfinite_grads`` names the parameters whose
+    gradients were non-finite (from the scaler's attribution in the AMP stage).
+    """
+
+    name: str
+    precision: str
+    lr: float
+    steps: int
+    losses: tuple[float, ...]
+    first_bad_step: int | None
+    overflow_module: str | None
+    overflow_step: int | None
+    nonfinite_grads: tuple[str, ...]
+    skipped_steps: int = 0
+    final_scale: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_bad_step is None
+
+    def summary(self) -> str:
+        losses = ", ".join(f"{loss:.4g}" for loss in self.losses)
+        line = f"{self.name} (lr={self.lr:g}): "
+        line += "ok" if self.ok else f"non-finite at step {self.first_bad_step}"
+        line += f"; losses [{losses}]"
+        if self.overflow_module is not None:
+            line += f"; first overflow: {self.overflow_module!r} (step {self.overflow_step})"
+        if self.final_scale is not None:
+            line += f"; loss scale {self.final_scale:g}, {self.skipped_steps} skipped"
+        if self.nonfinite_grads:
+            shown = ", ".join(self.nonfinite_grads[:5])
+            more = len(self.nonfinite_grads) - 5
+            line += f"; non-finite grads: {shown}" + (f" and {more} more" if more > 0 else "")
+        return line
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The triage's conclusion: :attr:`verdict`, why (:attr:`explanation`), what to do
+    (:attr:`suggestion`), the module or input to blame (:attr:`culprit`), and the evidence."""
+
+    verdict: Verdict
+    explanation: str
+    suggestion: str
+    culprit: str | None
+    stages: tuple[StageResult, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["verdict"] = self.verdict.value
+        return data
+
+    def __str__(self) -> str:
+        lines = [f"verdict: {self.verdict.value}", f"why: {self.explanation}"]
+        if self.culprit:
+            lines.append(f"culprit: {self.culprit}")
+        lines.append(f"fix: {self.suggestion}")
+        lines += ["stages:"] + [f"  {stage.summary()}" for stage in self.stages]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# running one stage
+# --------------------------------------------------------------------------------------------
+def _default_optimizer(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def _default_loss(output: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            "the model's output has no loss: put labels in the batch (transformers models then "
+            "return .loss) or pass loss_fn=lambda output, batch: ..."
+        )
+    return loss
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _nonfinite_grads(model: nn.Module) -> tuple[str, ...]:
+    return tuple(
+        name
+        for name, p in model.named_parameters()
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+    )
+
+
+def _run_stage(
+    name: str,
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    precision: str,
+    use_scaler: bool,
+    lr: float,
+    steps: int,
+    device: torch.device,
+    optimizer_factory: OptimizerFactory,
+    loss_fn: LossFn,
+) -> StageResult:
+    from amp_trainer.scaler import DynamicLossScaler
+
+    work = copy.deepcopy(model).to(device).float().train()
+    optimizer = optimizer_factory(work.parameters(), lr)
+    scaler = (
+        DynamicLossScaler(device.type, on_min_scale="clamp").watch(work) if use_scaler else None
+    )
+    fp16 = precision == "fp16"
+    limit = FP16_MAX if fp16 else math.inf
+    losses: list[float] = []
+    first_bad: int | None = None
+    overflow_module: str | None = None
+    overflow_step: int | None = None
+    bad_grads: tuple[str, ...] = ()
+    skipped = 0
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        with (
+            OverflowProbe(work, limit=limit) as probe,
+            torch.autocast(device.type, dtype=torch.float16, enabled=fp16),
+        ):
+            loss = loss_fn(work(**batch), batch)
+        if probe.first is not None and overflow_module is None:
+            overflow_module, overflow_step = probe.first, step
+        loss_value = float(loss.detach().float())
+        losses.append(loss_value)
+        if not math.isfinite(loss_value):
+            first_bad = step
+            break
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.step_was_skipped:
+                skipped += 1
+                bad_grads = bad_grads or scaler.stats.last_overflow_params
+        else:
+            loss.backward()
+            found = _nonfinite_grads(work)
+            if found:
+                bad_grads, first_bad = found, step
+                break
+            optimizer.step()
+    if scaler is not None and skipped == steps and first_bad is None:
+        first_bad = 0  # every step overflowed: nothing was ever applied
+    return StageResult(
+        name=name,
+        precision=precision,
+        lr=lr,
+        steps=steps,
+        losses=tuple(losses),
+        first_bad_step=first_bad,
+        overflow_module=overflow_module,
+        overflow_step=overflow_step,
+        nonfinite_grads=bad_grads,
+        skipped_steps=skipped,
+        final_scale=scaler.get_scale() if scaler is not None else None,
+    )
+
+
+def _nonfinite_inputs(batch: Mapping[str, Any]) -> list[str]:
+    bad = []
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            count = int((~torch.isfinite(value)).sum())
+            if count:
+                bad.append(f"{key!r} ({count} non-finite value(s))")
+    return bad
+
+
+def _describe_module(model: nn.Module, name: str) -> str:
+    module = dict(model.named_modules()).get(name)
+    if module is None:
+        return repr(name)
+    detail = ""
+    eps = getattr(module, "eps", None)
+    if isinstance(eps, float):
+        detail = f", eps={eps:g}"
+    return f"{name!r} ({type(module).__name__}{detail})"
+
+
+# --------------------------------------------------------------------------------------------
+# the triage
+# --------------------------------------------------------------------------------------------
+def diagnose(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    optimizer_factory: OptimizerFactory | None = None,
+    lr: float = 5e-5,
+    steps: int = 4,
+    device: str | torch.device | None = None,
+    loss_fn: LossFn | None = None,
+) -> Diagnosis:
+    """Run the four-step triage on copies of ``model`` and ``batch`` and return a verdict.
+
+    Args:
+        model: the model to examine; never modified (every stage trains a deep copy, in FP32
+            master weights, as AMP does).
+        batch: keyword inputs for ``model(**batch)``, labels included so the output has a loss
+            (or give ``loss_fn``).
+        optimizer_factory: ``(params, lr) -> optimizer``; default ``torch.optim.AdamW``.
+        lr: the learning rate the failing run used.
+        steps: optimizer steps per stage (a few: "fine for N steps, then NaN" needs N+1).
+        device: default CUDA when available, else CPU (CPU autocast FP16 is real in torch >= 2.4,
+            though it keeps more ops in FP16 than CUDA's: ``layer_norm`` and ``softmax`` too).
+        loss_fn: ``(output, batch) -> loss``; default ``output.loss``.
+
+    The verdicts, in the order they are tested:
+    ``DATA`` (the batch itself holds inf/NaN), ``MODEL`` (pure FP32 fails before any update:
+    a module computes NaN, e.g. a LayerNorm with ``eps=0`` on constant input),
+    ``LEARNING_RATE`` (fails only after some steps and a smaller lr is clean),
+    ``FP16_UNFRIENDLY_LAYER`` (FP32 is clean, FP16 overflows in the very first forward, or
+    later at every lr tried), ``UNRESOLVED`` (FP32 fails after some updates at every lr tried),
+    ``HEALTHY``.
+    """
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if (
+        not isinstance(lr, (int, float))
+        or isinstance(lr, bool)
+        or not (lr > 0 and math.isfinite(lr))
+    ):
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a mapping of keyword inputs, got {type(batch).__name__}")
+    dev = (
+        torch.device(device)
+        if device is not None
+        else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    )
+    batch = _to_device(batch, dev)
+    common: dict[str, Any] = {
+        "steps": steps,
+        "device": dev,
+        "optimizer_factory": optimizer_factory or _default_optimizer,
+        "loss_fn": loss_fn or _default_loss,
+    }
+    fp32 = _run_stage("1. fp32", model, batch, precision="fp32", use_scaler=False, lr=lr, **common)
+    stages = [fp32]
+
+    def ladder(precision: str, use_scaler: bool) -> StageResult | None:
+        """Step 4: rerun at lr/10, /100, /1000; the first clean run, else None."""
+        for divisor in _LR_DIVISORS:
+            label = f"4. {'amp' if use_scaler else precision} lr/{divisor:g}"
+            result = _run_stage(
+                label,
+                model,
+                batch,
+                precision=precision,
+                use_scaler=use_scaler,
+                lr=lr / divisor,
+                **common,
+            )
+            stages.append(result)
+            if result.ok:
+                return result
+        return None
+
+    bad_inputs = _nonfinite_inputs(batch)
+    if bad_inputs:
+        return Diagnosis(
+            Verdict.DATA,
+            f"the batch itself holds non-finite values: {', '.join(bad_inputs)}; every "
+            "precision will produce NaN from it.",
+            "Fix the data pipeline (look for division by zero, log(0), missing values read as "
+            "NaN, overflowing feature scaling); filter or clamp bad rows before training.",
+            bad_inputs[0].split(" ")[0].strip("'"),
+            tuple(stages),
+        )
+    if not fp32.ok:
+        if fp32.first_bad_step == 0:
+            culprit = fp32.overflow_module
+            where = _describe_module(model, culprit) if culprit is not None else "the loss"
+            return Diagnosis(
+                Verdict.MODEL,
+                f"pure FP32 already produces inf/NaN in the first step, before any update; "
+                f"the first module to do so is {where}. This is a model (or loss) bug, not "
+                "mixed precision.",
+                "Fix that module's arithmetic: e.g. a normalisation layer needs eps > 0 (eps=0 "
+                "divides 0 by 0 on constant input), a log/sqrt/division needs a guard; check its "
+                "weights for inf/NaN.",
+                culprit,
+                tuple(stages),
+            )
+        found = ladder("fp32", False)
+        if found is not None:
+            return _lr_diagnosis(lr, found, "pure FP32", tuple(stages))
+        return Diagnosis(
+            Verdict.UNRESOLVED,
+            f"pure FP32 becomes non-finite at step {fp32.first_bad_step} and stays so at "
+            f"lr/{_LR_DIVISORS[-1]:g}: the updates themselves break the model.",
+            "Check the loss for a numerically unsafe term, clip gradients, and check the model "
+            f"code around {fp32.overflow_module or 'its output'}.",
+            fp32.overflow_module,
+            tuple(stages),
+        )
+
+    autocast_only = _run_stage(
+        "2. fp16 autocast, no scaler",
+        model,
+        batch,
+        precision="fp16",
+        use_scaler=False,
+        lr=lr,
+        **common,
+    )
+    amp = _run_stage(
+        "3. fp16 amp + DynamicLossScaler",
+        model,
+        batch,
+        precision="fp16",
+        use_scaler=True,
+        lr=lr,
+        **common,
+    )
+    stages += [autocast_only, amp]
+    first_forward_overflow = next(
+        (s for s in (autocast_only, amp) if s.overflow_module is not None and s.overflow_step == 0),
+        None,
+    )
+    broke_at_once = any(s.first_bad_step == 0 for s in (autocast_only, amp))
+    if first_forward_overflow is not None and (broke_at_once or not amp.ok):
+        return _fp16_layer_diagnosis(model, first_forward_overflow, amp, tuple(stages))
+    if not amp.ok or not autocast_only.ok:
+        found = ladder("fp16", True)
+        if found is not None:
+            return _lr_diagnosis(lr, found, "FP16 AMP", tuple(stages))
+        culprit_stage = next((s for s in (autocast_only, amp) if s.overflow_module), amp)
+        if culprit_stage.overflow_module is not None:
+            return _fp16_layer_diagnosis(model, culprit_stage, amp, tuple(stages))
+        return Diagnosis(
+            Verdict.UNRESOLVED,
+            "FP32 is clean but FP16 becomes non-finite, at every lr tried, without a module "
+            "whose forward output overflows: the overflow is in the backward pass.",
+            "Run the AMP stage with more steps and look at the named non-finite gradients; "
+            "try bf16, which has FP32's exponent range.",
+            amp.nonfinite_grads[0] if amp.nonfinite_grads else None,
+            tuple(stages),
+        )
+    stages.append(
+        _run_stage(
+            f"4. amp lr/{_LR_DIVISORS[0]:g}",
+            model,
+            batch,
+            precision="fp16",
+            use_scaler=True,
+            lr=lr / _LR_DIVISORS[0],
+            **common,
+        )
+    )
+    return Diagnosis(
+        Verdict.HEALTHY,
+        f"no inf/NaN in {steps} step(s) of pure FP32, FP16 autocast and full AMP; loss scale "
+        f"{amp.final_scale:g} with {amp.skipped_steps} skipped step(s).",
+        "Nothing to fix on this batch. If a long run still diverges, rerun the doctor on the batch "
+        "where it happens, with more steps.",
+        None,
+        tuple(stages),
+    )
+
+
+def _lr_diagnosis(
+    lr: float, found: StageResult, where: str, stages: tuple[StageResult, ...]
+) -> Diagnosis:
+    return Diagnosis(
+        Verdict.LEARNING_RATE,
+        f"{where} is fine for the first step(s) and then becomes non-finite at lr={lr:g}; at "
+        f"lr={found.lr:g} it stays finite. The updates are too large, not the precision.",
+        f"Lower the learning rate to about {found.lr:g} (or add warmup and gradient clipping: "
+        "scaler.clip_grad_norm_(optimizer, 1.0)).",
+        None,
+        stages,
+    )
+
+
+def _fp16_layer_diagnosis(
+    model: nn.Module, culprit_stage: StageResult, amp: StageResult, stages: tuple[StageResult, ...]
+) -> Diagnosis:
+    from amp_trainer.precision import is_norm_module
+
+    culprit = culprit_stage.overflow_module
+    assert culprit is not None
+    module = dict(model.named_modules()).get(culprit)
+    if module is not None and is_norm_module(module):
+        fix = (
+            f"Keep {culprit!r} in FP32: amp_trainer.keep_norms_in_fp32(model) does it for every "
+            "normalisation layer. Or train in bf16 (FP32's exponent range, no loss scaling)."
+        )
+    else:
+        fix = (
+            f"Keep {culprit!r} in FP32: run its forward outside autocast with FP32 inputs "
+            "(wrap it in torch.autocast(device_type, enabled=False) and .float() its inputs; "
+            "module.float() alone is not enough, autocast would cast it back to FP16). Or rescale "
+            "its weights/inputs, or train in bf16 (FP32's exponent range, no loss scaling)."
+        )
+    grads = ""
+    if amp.nonfinite_grads:
+        grads = f" Non-finite gradients under AMP: {', '.join(amp.nonfinite_grads[:5])}."
+    return Diagnosis(
+        Verdict.FP16_UNFRIENDLY_LAYER,
+        f"pure FP32 is clean, but under FP16 autocast {_describe_module(model, culprit)} produces "
+        f"values beyond FP16's range (|x| > {FP16_MAX:g}) or NaN from finite inputs at step "
+        f"{culprit_stage.overflow_step}.{grads}",
+        fix,
+        culprit,
+        stages,
+    )
