@@ -1,0 +1,72 @@
+"""Two real processes on gloo: an overflow on one rank is a skip on every rank.
+
+One launch of tests/workers/ddp_overflow.py (start-up dominates the cost) feeds several tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+WORKER = REPO_ROOT / "tests" / "workers" / "ddp_overflow.py"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[tuple[dict, torch.Tensor]]:
+    out_dir: Path = tmp_path_factory.mktemp("ddp_overflow")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER),
+        str(out_dir),
+    ]
+    result = subprocess.run(
+        command, env=subprocess_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return [
+        (
+            json.loads((out_dir / f"rank{r}.json").read_text()),
+            torch.load(out_dir / f"rank{r}.pt", weights_only=True),
+        )
+        for r in range(2)
+    ]
+
+
+def test_workers_ran_as_two_gloo_ranks(ranks):
+    assert [info["backend"] for info, _ in ranks] == ["gloo", "gloo"]
+    assert [info["accelerate"]["world_size"] for info, _ in ranks] == [2, 2]
+
+
+def test_plain_scaler_reduces_found_inf_so_both_ranks_skip_and_back_off(ranks):
+    for info, _ in ranks:
+        assert info["plain"] == {"skipped": True, "scale": 128.0, "params_unchanged": True}
+
+
+def test_accelerate_ddp_overflow_on_one_rank_skips_the_same_step_on_both(ranks):
+    for info, _ in ranks:
+        assert info["accelerate"]["skipped"] == [False, True, False]
+
+
+def test_accelerate_ddp_both_ranks_back_off_to_the_same_scale(ranks):
+    for info, _ in ranks:
+        assert info["accelerate"]["scales"] == [1024.0, 512.0, 512.0]
+
+
+def test_accelerate_ddp_params_stay_identical_across_ranks(ranks):
+    (_, params0), (_, params1) = ranks
+    assert torch.isfinite(params0).all()
+    assert torch.equal(params0, params1)
