@@ -61,6 +61,8 @@ __all__ = [
     "export_fp16",
     "load_fp16_export",
     "load_model",
+    "load_tokenizer",
+    "make_sample_batch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,14 @@ CONFIG_KEY = "amp_trainer_export"
 _OUTPUT_NAMES = ("logits", "last_hidden_state")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _RANDOM_BATCH, _RANDOM_LENGTH = 8, 16
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "tokenizer.model",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,8 +235,19 @@ def load_model(
     return cls.from_pretrained(path_or_id, dtype=dtype)
 
 
-def _load_tokenizer(path_or_id: str | os.PathLike[str]) -> Any | None:
+def load_tokenizer(path_or_id: str | os.PathLike[str]) -> Any | None:
+    """The tokenizer saved with the model, or ``None`` if there is none (random ids are used).
+
+    A local folder must hold tokenizer files: transformers 5 otherwise builds an *empty* tokenizer
+    from the model type (a BertTokenizer with only the 5 special tokens, mapping every word to
+    ``[UNK]``) rather than failing, and parity on all-``[UNK]`` inputs would measure nothing.
+    """
     from transformers import AutoTokenizer
+
+    local = Path(path_or_id)
+    if local.is_dir() and not any((local / name).is_file() for name in _TOKENIZER_FILES):
+        logger.info("No tokenizer files in %s; parity uses random token ids.", local)
+        return None
 
     try:
         return AutoTokenizer.from_pretrained(path_or_id)
@@ -392,8 +413,11 @@ def _guard_overflows(
 # --------------------------------------------------------------------------------------------
 # sample inputs and parity
 # --------------------------------------------------------------------------------------------
-def _sample_inputs(
-    model: nn.Module, tokenizer: Any | None, texts: Sequence[str] | None, seed: int
+def make_sample_batch(
+    model: nn.Module,
+    tokenizer: Any | None = None,
+    texts: Sequence[str] | None = None,
+    seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """One padded batch: the texts (or built-in ones) through the tokenizer, else random ids.
 
@@ -713,7 +737,7 @@ def export_fp16(
         source = str(model_or_path)
         source_model = load_model(model_or_path, dtype=torch.float32)
         if tokenizer is None:
-            tokenizer = _load_tokenizer(model_or_path)
+            tokenizer = load_tokenizer(model_or_path)
         local = Path(model_or_path)
         if local.is_dir() and _weights_bytes(local):
             source_bytes, measured = _weights_bytes(local), True
@@ -727,7 +751,7 @@ def export_fp16(
         "max_rel_error": max_rel_error,
         "min_top1_agreement": min_top1_agreement,
     }
-    inputs = _sample_inputs(source_model, tokenizer, sample_texts, seed)
+    inputs = make_sample_batch(source_model, tokenizer, sample_texts, seed)
     extra = _forward_kwargs(source_model)
     was_training = reference_model.training
     reference_model.eval()

@@ -1,0 +1,338 @@
+"""The ``amp-trainer`` command line: ``export`` (FP16 export + parity report) and ``doctor``.
+
+Each subcommand is a thin shell over a library function (:func:`amp_trainer.export.export_fp16`,
+:func:`amp_trainer.doctor.diagnose`): argument checking, loading, printing, exit codes. A user's
+mistake (a missing folder, a threshold out of range) prints ONE line on stderr and exits 2; a
+failed parity check or an unhealthy diagnosis exits 1; success exits 0. Never a traceback for
+something the user can fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["build_parser", "main"]
+
+logger = logging.getLogger("amp_trainer.cli")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# "bert-base-uncased", "org/model": what the hub accepts; "./x", "/a/b/c", "a/b/c" are paths.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+_EPILOG = """\
+examples:
+  amp-trainer export --model runs/bert-sst2 --output runs/bert-sst2-fp16
+  amp-trainer export --model runs/gpt2 --output out/gpt2-fp16 --format torchscript onnx \\
+      --texts "Hello there" "FP16 has a range of 65504"
+  amp-trainer doctor --model runs/bert-sst2 --texts "a great film" "a dull film" --lr 5e-5
+  amp-trainer doctor --model runs/gpt2 --data samples.txt --steps 8 --json diagnosis.json
+
+exit codes: 0 success / healthy, 1 parity failed / not healthy, 2 usage error.
+run 'amp-trainer <command> --help' for a command's options.
+"""
+
+
+class UsageError(Exception):
+    """A mistake the user can fix; reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line on stderr (argparse prints the usage block too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# --------------------------------------------------------------------------------------------
+# argument types
+# --------------------------------------------------------------------------------------------
+def _number(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        too_low = value <= low if low_open else value < low
+        if too_low or value > high or value != value:
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(f"{text} is outside {bracket}{low:g}, {high:g}]")
+        return value
+
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# parser
+# --------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="amp-trainer",
+        description="FP16 mixed-precision tools for Hugging Face models.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from amp_trainer import __version__
+
+    parser.add_argument("--version", action="version", version=f"amp-trainer {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    commands = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
+    commands.required = True
+
+    export = commands.add_parser(
+        "export",
+        help="export a model to FP16 and check it against FP32 (parity report)",
+        description=(
+            "Cast to FP16 (norm layers kept FP32), keep modules whose FP16 activations overflow "
+            "in FP32, compare with the FP32 model on sample inputs, and write the export only "
+            "if parity passes (or --force)."
+        ),
+        epilog="example:\n  amp-trainer export --model runs/bert --output runs/bert-fp16 "
+        "--format onnx\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("--model", required=True, help="model folder or hub id (FP32)")
+    export.add_argument("--output", required=True, help="folder to create")
+    export.add_argument("--texts", nargs="+", metavar="TEXT", help="parity sample texts")
+    export.add_argument(
+        "--format",
+        nargs="+",
+        default=[],
+        choices=["safetensors", "torchscript", "onnx"],
+        dest="formats",
+        help="extra formats (safetensors is always written); onnx needs amp-trainer[export]",
+    )
+    export.add_argument("--max-abs-error", type=_number(0.0, float("inf")), help="off unless given")
+    export.add_argument(
+        "--max-rel-error", type=_number(0.0, 1.0), default=2e-2, help="default: %(default)s"
+    )
+    export.add_argument(
+        "--min-top1-agreement", type=_number(0.0, 1.0), default=0.98, help="default: %(default)s"
+    )
+    export.add_argument(
+        "--no-keep-norms-fp32", action="store_true", help="cast normalisation layers too"
+    )
+    export.add_argument(
+        "--no-overflow-guard", action="store_true", help="do not keep overflowing modules FP32"
+    )
+    export.add_argument("--force", action="store_true", help="write even if parity fails")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    export.add_argument("--report", metavar="PATH", help="also write report.json here")
+    export.set_defaults(handler=_run_export)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="find out why FP16 training produces inf/NaN (four-step triage)",
+        description=(
+            "Runs a few steps of pure FP32, FP16 autocast without a scaler, full AMP with "
+            "DynamicLossScaler, then lower learning rates, on copies of the model and one batch; "
+            "names the first module that overflows and prints a verdict with a suggested fix."
+        ),
+        epilog="example:\n  amp-trainer doctor --model runs/bert --texts 'great' 'awful' "
+        "--lr 1e-3\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument("--model", required=True, help="model folder or hub id")
+    source = doctor.add_mutually_exclusive_group()
+    source.add_argument("--texts", nargs="+", metavar="TEXT", help="the batch's texts")
+    source.add_argument(
+        "--data",
+        metavar="FILE",
+        help="one text per line (.txt) or JSON lines with 'text' and optional 'label' (.jsonl)",
+    )
+    doctor.add_argument(
+        "--lr",
+        type=_number(0.0, float("inf"), low_open=True),
+        default=5e-5,
+        help="learning rate of the failing run (default: %(default)s)",
+    )
+    doctor.add_argument("--steps", type=_positive_int, default=4, help="steps per stage")
+    doctor.add_argument("--batch-size", type=_positive_int, default=8, help="texts used")
+    doctor.add_argument("--device", help="default: cuda if available, else cpu")
+    doctor.add_argument("--json", metavar="PATH", help="also write the diagnosis as JSON")
+    doctor.set_defaults(handler=_run_doctor)
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# shared helpers
+# --------------------------------------------------------------------------------------------
+def _check_model_arg(name: str) -> None:
+    """An existing path must be a model folder; otherwise it must look like a hub id."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"--model {name}: not a directory")
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {name}: no config.json in that folder (not a model folder)")
+    elif not _HUB_ID.fullmatch(name):
+        raise UsageError(f"--model {name}: no such directory")
+
+
+def _write_json_atomic(path: str, data: Any) -> None:
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise UsageError(f"{path}: directory {target.parent} does not exist")
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, target)
+
+
+def _load_texts(path: str, limit: int) -> tuple[list[str], list[Any] | None]:
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--data {path}: no such file")
+    lines = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise UsageError(f"--data {path}: the file has no non-empty lines")
+    if file.suffix != ".jsonl":
+        return lines[:limit], None
+    texts, labels = [], []
+    for number, line in enumerate(lines[:limit], 1):
+        try:
+            record = json.loads(line)
+            texts.append(str(record["text"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UsageError(
+                f"--data {path}:{number}: expected a JSON object with a 'text' field"
+            ) from None
+        labels.append(record.get("label"))
+    return texts, labels if all(label is not None for label in labels) else None
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+def _run_export(args: argparse.Namespace) -> int:
+    from amp_trainer.export import export_fp16
+
+    _check_model_arg(args.model)
+    output = Path(args.output)
+    if output.exists() and not args.overwrite and (not output.is_dir() or any(output.iterdir())):
+        raise UsageError(f"--output {args.output} exists and is not empty (use --overwrite)")
+    report = export_fp16(
+        args.model,
+        output,
+        sample_texts=args.texts,
+        keep_norms_fp32=not args.no_keep_norms_fp32,
+        overflow_guard=not args.no_overflow_guard,
+        max_abs_error=args.max_abs_error,
+        max_rel_error=args.max_rel_error,
+        min_top1_agreement=args.min_top1_agreement,
+        formats=tuple(args.formats),
+        force=args.force,
+        overwrite=args.overwrite,
+    )
+    print(report.to_markdown())
+    if args.report:
+        _write_json_atomic(args.report, report.to_dict())
+    if not report.passed:
+        note = "written anyway (--force)" if report.written else "nothing was written"
+        print(f"amp-trainer export: parity failed, {note}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# doctor
+# --------------------------------------------------------------------------------------------
+def _doctor_batch(model: Any, tokenizer: Any, texts: Sequence[str] | None, labels: Any) -> dict:
+    """Inputs plus labels so the model returns a loss: class ids for a classifier (given, or
+    cycling through the classes), float targets for a regressor, the inputs themselves
+    (padding ignored) for language models."""
+    import torch
+
+    from amp_trainer.export import make_sample_batch
+
+    batch = make_sample_batch(model, tokenizer, texts)
+    rows = batch["input_ids"].shape[0]
+    config = model.config
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        if config.num_labels == 1:
+            batch["labels"] = torch.tensor(
+                [float(v) for v in labels] if labels else [0.0] * rows, dtype=torch.float32
+            )
+        else:
+            values = (
+                [int(v) for v in labels] if labels else [i % config.num_labels for i in range(rows)]
+            )
+            bad = [v for v in values if not 0 <= v < config.num_labels]
+            if bad:
+                raise UsageError(
+                    f"label {bad[0]} is outside [0, {config.num_labels - 1}] for this model"
+                )
+            batch["labels"] = torch.tensor(values, dtype=torch.long)
+    else:
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return batch
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from amp_trainer.doctor import Verdict, diagnose
+    from amp_trainer.export import load_model, load_tokenizer
+
+    _check_model_arg(args.model)
+    texts, labels = (args.texts, None)
+    if args.data:
+        texts, labels = _load_texts(args.data, args.batch_size)
+    elif texts:
+        texts = texts[: args.batch_size]
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    if texts and tokenizer is None:
+        raise UsageError(f"--model {args.model}: no tokenizer saved there to encode the texts")
+    batch = _doctor_batch(model, tokenizer, texts, labels)
+    diagnosis = diagnose(model, batch, lr=args.lr, steps=args.steps, device=args.device)
+    print(diagnosis)
+    if args.json:
+        _write_json_atomic(args.json, diagnosis.to_dict())
+    return EXIT_OK if diagnosis.verdict is Verdict.HEALTHY else EXIT_FAILED
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (``console_scripts`` passes it to ``sys.exit``)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help, --version, usage errors: argparse already printed
+        return int(stop.code or 0)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("amp_trainer").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    prog = f"amp-trainer {args.command}"
+    try:
+        return args.handler(args)
+    except UsageError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, ImportError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:
+        # transformers raises these for a hub id that cannot be resolved (offline, typo) and
+        # we raise ValueError for out-of-range settings: both are the user's to fix.
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"{prog}: error: {message}", file=sys.stderr)
+    logger.debug("details", exc_info=True)  # the traceback, with --verbose only
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
