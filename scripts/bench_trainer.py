@@ -1,0 +1,413 @@
+"""AmpTrainer vs stock transformers.Trainer: train speed, peak memory and loss, side by side.
+
+Every run trains the same model (built from a config with one seed, nothing downloaded) on the
+same random token batches for the same number of optimizer steps. Each run is its own
+subprocess: Accelerate keeps process-wide singletons (``AcceleratorState``, ``PartialState``)
+that the first Trainer of a process configures, so a second Trainer with another precision in
+the same process would inherit the first one's settings; a fresh process per run also gives each
+run its own peak-memory reading. Runs are interleaved (A, B, C, D, then B, C, D, A, ...) so that
+slow drift in machine load hits every mode alike, and the table shows medians over repeats.
+
+Modes:
+
+* ``amp-fp16``   - :class:`amp_trainer.AmpTrainer`, ``precision="fp16"``: autocast to float16,
+  DynamicLossScaler, FP32 norms (the default ``keep_norms_fp32=True``).
+* ``stock-fp16`` - ``transformers.Trainer`` with ``fp16=True``. On a GPU that is all. On a CPU
+  stock Trainer silently trains in FP32: accelerate 1.15 (``Accelerator.__init__``) enables
+  native AMP for fp16 only when ``device.type != "cpu"``, and otherwise leaves ``native_amp=False``
+  and ``scaler=None`` without a word. To benchmark the real stock FP16 path on a CPU, this script
+  does after Trainer has built its Accelerator (before ``prepare()``) exactly what accelerate does
+  on a GPU: ``accelerator.native_amp = True`` (so ``prepare_model`` wraps the forward in
+  ``torch.autocast(dtype=float16)``) and ``accelerator.scaler = torch.amp.GradScaler("cpu")``. The
+  rest (backward, unscale, clipping, ``scaler.step``/``update`` in ``AcceleratedOptimizer``) is
+  stock code.
+* ``amp-bf16``   - AmpTrainer, ``precision="bf16"`` (no scaler).
+* ``fp32``       - stock Trainer, no mixed precision: the baseline.
+
+Speed is measured on the steady state: the wall time from the end of the warm-up steps to the end
+of the last step, taken in a TrainerCallback (with a CUDA synchronize at both ends on a GPU), so
+model building, the first-step allocations and Trainer's set-up are excluded. tokens/s counts
+batch x sequence length (no padding in this data). Peak memory is the worker process's peak RSS
+on a CPU (``resource.getrusage``: includes the Python, torch and transformers baseline, the same
+for every mode) and ``torch.cuda.max_memory_allocated`` on a GPU.
+
+Usage::
+
+    python scripts/bench_trainer.py                              # CPU, ~5 min on 2 cores
+    python scripts/bench_trainer.py --steps 4 --repeats 1 --model tiny --modes amp-fp16,stock-fp16
+    python scripts/bench_trainer.py --device cuda --model bert-base --batch-size 32 --seq-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+MODES = ("amp-fp16", "stock-fp16", "amp-bf16", "fp32")
+RESULT_PREFIX = "BENCH_TRAINER_RESULT "
+# The model sizes: "small" is the CPU default (4 layers, 128 wide: FP16 matmuls on a CPU without
+# FP16 units are ~10x slower than FP32, so this is what trains 30 steps in ~20 s), "tiny" is for
+# smoke tests,
+# "bert-base" is bert-base-uncased's shape (for GPUs).
+MODELS = {
+    "tiny": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab": 512},
+    "small": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab": 8192},
+    "bert-base": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "vocab": 30522,
+    },
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# the worker: one training run, in its own process
+# ------------------------------------------------------------------------------------------------
+def _build_model(size: str, seq_len: int) -> Any:
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    spec = MODELS[size]
+    config = BertConfig(
+        vocab_size=spec["vocab"],
+        hidden_size=spec["hidden_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        intermediate_size=4 * spec["hidden_size"],
+        max_position_embeddings=max(512, seq_len),
+        num_labels=2,
+    )
+    torch.manual_seed(0)
+    return BertForSequenceClassification(config)
+
+
+class _RandomTokens:
+    """A map-style dataset of fixed random token sequences and labels (seeded, no padding)."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int = 0) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=gen)
+        self.labels = torch.randint(0, 2, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": self.ids.new_ones(self.ids.shape[1]),
+            "labels": self.labels[i],
+        }
+
+
+def _peak_memory_mib(device_type: str) -> float:
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+
+
+def run_worker(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from amp_trainer import AmpTrainer, AmpTrainingArguments
+
+    on_cpu = args.device == "cpu"
+    if on_cpu and args.threads:
+        torch.set_num_threads(args.threads)
+
+    class StepClock(TrainerCallback):
+        """Wall time at the end of the warm-up and at the end of the run."""
+
+        def __init__(self) -> None:
+            self.start: float | None = None
+            self.end: float | None = None
+
+        def on_step_end(self, targs, state, control, **kwargs):
+            if state.global_step in (args.warmup, args.steps):
+                if not on_cpu:
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                if state.global_step == args.warmup:
+                    self.start = now
+                if state.global_step == args.steps:
+                    self.end = now
+
+    class StockTrainerRealCpuFp16(Trainer):
+        """Stock Trainer, with accelerate's GPU fp16 set-up applied on a CPU (see module doc)."""
+
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if self.args.fp16 and self.accelerator.device.type == "cpu":
+                self.accelerator.native_amp = True
+                self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
+    common = {
+        "output_dir": args.workdir,
+        "max_steps": args.steps,
+        "per_device_train_batch_size": args.batch_size,
+        "learning_rate": 5e-5,
+        "warmup_steps": 0,
+        "logging_steps": args.steps,  # one log entry: the mean loss of the run
+        "save_strategy": "no",
+        "report_to": [],
+        "disable_tqdm": True,
+        "seed": 0,
+        "data_seed": 0,
+        "dataloader_num_workers": 0,
+        "use_cpu": on_cpu,
+    }
+    mode = args.worker
+    if mode == "amp-fp16":
+        targs, cls = AmpTrainingArguments(precision="fp16", **common), AmpTrainer
+    elif mode == "amp-bf16":
+        targs, cls = AmpTrainingArguments(precision="bf16", **common), AmpTrainer
+    elif mode == "stock-fp16":
+        targs, cls = TrainingArguments(fp16=True, **common), StockTrainerRealCpuFp16
+    elif mode == "fp32":
+        targs, cls = TrainingArguments(**common), Trainer
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+    model = _build_model(args.model, args.seq_len)
+    dataset = _RandomTokens(args.steps * args.batch_size, args.seq_len, model.config.vocab_size)
+    clock = StepClock()
+    if not on_cpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = cls(model=model, args=targs, train_dataset=dataset, callbacks=[clock])
+    output = trainer.train()
+    if clock.start is None or clock.end is None:
+        raise RuntimeError(
+            f"the step clock did not fire (warmup={args.warmup}, steps={args.steps})"
+        )
+
+    scaler = trainer.accelerator.scaler
+    ours = getattr(trainer, "loss_scaler", None)  # AmpTrainer's DynamicLossScaler
+    autocast_on = bool(trainer.accelerator.native_amp)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    timed = args.steps - args.warmup
+    seconds = clock.end - clock.start
+    return {
+        "mode": mode,
+        "steps_per_s": timed / seconds,
+        "tokens_per_s": timed * args.batch_size * args.seq_len / seconds,
+        "peak_mem_mib": _peak_memory_mib(args.device),
+        "mean_loss": losses[-1] if losses else output.training_loss,
+        "scaler": type(scaler).__name__ if scaler is not None else "none",
+        "final_scale": scaler.get_scale() if scaler is not None and scaler.is_enabled() else None,
+        "skipped": ours.stats.skipped if ours is not None else None,
+        "autocast": autocast_on,
+        "mixed_precision": trainer.accelerator.mixed_precision,
+        "optimizer": type(trainer.optimizer.optimizer).__name__
+        + (" (fused)" if trainer.optimizer.optimizer.defaults.get("fused") else ""),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# the parent: interleaved subprocess runs and the table
+# ------------------------------------------------------------------------------------------------
+def _spawn(args: argparse.Namespace, mode: str, workdir: str) -> dict[str, Any]:
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        mode,
+        "--workdir",
+        workdir,
+        "--device",
+        args.device,
+        "--model",
+        args.model,
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    env = dict(os.environ)
+    repo = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        env.setdefault(key, "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    raise RuntimeError(f"{mode} run failed (exit status {done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def _median_range(values: Sequence[float], fmt: str) -> str:
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return format(mid, fmt)
+    return f"{format(mid, fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+
+
+def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> str:
+    import torch
+
+    stock = runs.get("stock-fp16")
+    stock_speed = statistics.median(r["steps_per_s"] for r in stock) if stock else None
+    stock_mem = statistics.median(r["peak_mem_mib"] for r in stock) if stock else None
+    header = [
+        "mode",
+        "steps/s",
+        "tokens/s",
+        "vs stock fp16",
+        "peak mem MiB",
+        "mem vs stock",
+        "mean loss",
+        "scaler (final scale)",
+        "autocast",
+    ]
+    rows = []
+    for mode, results in runs.items():
+        speed = [r["steps_per_s"] for r in results]
+        mem = statistics.median(r["peak_mem_mib"] for r in results)
+        scale = results[-1]["final_scale"]
+        rows.append(
+            [
+                mode,
+                _median_range(speed, ".2f"),
+                _median_range([r["tokens_per_s"] for r in results], ".0f"),
+                f"{statistics.median(speed) / stock_speed:.3f}x" if stock_speed else "n/a",
+                f"{mem:.0f}",
+                f"{mem - stock_mem:+.0f}" if stock_mem is not None else "n/a",
+                f"{statistics.median(r['mean_loss'] for r in results):.4f}",
+                results[-1]["scaler"] + (f" ({scale:g})" if scale is not None else ""),
+                "fp16"
+                if mode.endswith("fp16") and results[-1]["autocast"]
+                else ("bf16" if mode.endswith("bf16") and results[-1]["autocast"] else "off"),
+            ]
+        )
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    table += ["| " + " | ".join(r) + " |" for r in rows]
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    import transformers
+
+    first = next(iter(runs.values()))[0]
+    spec = MODELS[args.model]
+    lines = [
+        "# AmpTrainer vs stock Trainer",
+        "",
+        f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- command: `python {' '.join(sys.argv)}`",
+        f"- torch {torch.__version__}, transformers {transformers.__version__}, Python "
+        f"{platform.python_version()}; device {args.device}; torch threads per run: "
+        f"{args.threads or torch.get_num_threads()} (os.cpu_count()={os.cpu_count()})",
+        f"- load average at the end (1/5/15 min): {load}",
+        f"- model: BertForSequenceClassification, {spec['num_hidden_layers']} layers x "
+        f"{spec['hidden_size']} wide, vocab {spec['vocab']}; batch {args.batch_size} x seq "
+        f"{args.seq_len}; optimizer {first['optimizer']}, max_grad_norm 1.0",
+        f"- {args.steps} optimizer steps per run, speed timed over the last "
+        f"{args.steps - args.warmup}; {args.repeats} interleaved run(s) per mode, one subprocess "
+        "each; cells: median [min-max]",
+        "- stock-fp16 on a CPU: Trainer's accelerator forced onto accelerate's own fp16 path "
+        "(native_amp=True, torch.amp.GradScaler('cpu')), since stock silently runs FP32 there",
+        "",
+        *table,
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--model", default="small", choices=tuple(MODELS))
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default steps/5)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per mode (>= 1)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per run (default: 1 on CPU, torch's default on CUDA; 0: torch's)",
+    )
+    parser.add_argument("--output", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "seq_len", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threads is None:
+        # On a CPU shared with other processes, OpenMP workers that spin-wait for a descheduled
+        # sibling make a 2-thread run up to ~30x slower than a 1-thread one (measured here):
+        # one thread per run measures the code, not the scheduler.
+        args.threads = 1 if args.device == "cpu" else 0
+    if args.warmup is None:
+        args.warmup = max(1, args.steps // 5)
+    if not 1 <= args.warmup < args.steps:
+        parser.error(
+            f"--warmup must be in [1, steps - 1] = [1, {args.steps - 1}], got {args.warmup}"
+        )
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        parser.error(f"--modes must be a subset of {','.join(MODES)}, got {args.modes!r}")
+    args.modes = modes
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        result = run_worker(args)
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        return 0
+
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+    with tempfile.TemporaryDirectory(prefix="bench_trainer_") as workdir:
+        for repeat in range(args.repeats):
+            shift = repeat % len(args.modes)
+            for mode in args.modes[shift:] + args.modes[:shift]:
+                result = _spawn(args, mode, os.path.join(workdir, f"{mode}-{repeat}"))
+                print(
+                    f"[bench_trainer] run {repeat + 1}/{args.repeats} {mode}: "
+                    f"{result['steps_per_s']:.2f} steps/s, peak {result['peak_mem_mib']:.0f} MiB, "
+                    f"loss {result['mean_loss']:.4f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                runs[mode].append(result)
+    report = build_report(args, runs)
+    print(report)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.output.with_name(args.output.name + ".tmp")
+        tmp.write_text(report + "\n")
+        tmp.replace(args.output)
+        print(f"\nwritten to {args.output}")
+    return 0 if all(math.isfinite(r["mean_loss"]) for rs in runs.values() for r in rs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
