@@ -112,6 +112,11 @@ def install_scaler(
         if scaler is None:
             kwargs = {**_scaler_kwargs_from_handler(accelerator), **scaler_kwargs}
             scaler = DynamicLossScaler(accelerator.device.type, **kwargs)
+        if not scaler.is_enabled():
+            logger.warning(
+                "fp16 autocast with a disabled loss scaler: gradients below ~6e-8 flush to zero "
+                "in fp16 and the model may silently stop learning. Enable the scaler or use bf16."
+            )
         # native_amp is what makes prepare_model() wrap the forward in autocast, makes
         # accelerator.autocast() autocast and makes unscale_gradients() unscale; upstream
         # leaves it False on CPU, which silently turns fp16 into fp32.

@@ -160,6 +160,15 @@ def test_grad_scaler_kwargs_handler_maps_onto_our_knobs():
     assert scaler.get_backoff_factor() == 0.25
 
 
+def test_fp16_with_a_disabled_scaler_warns_that_gradients_underflow(caplog):
+    with caplog.at_level("WARNING", logger="amp_trainer.accelerate_hooks"):
+        accelerator = AmpAccelerator(
+            mixed_precision="fp16", cpu=True, loss_scaler=DynamicLossScaler("cpu", enabled=False)
+        )
+    assert not accelerator.loss_scaler.is_enabled()
+    assert "silently stop learning" in caplog.text
+
+
 def test_loss_scaler_mapping_builds_the_scaler():
     accelerator = AmpAccelerator(
         mixed_precision="fp16", cpu=True, loss_scaler={"init_scale": 256.0, "hysteresis": 2}
@@ -423,7 +432,7 @@ def test_deepspeed_fp16_config_rejects_what_deepspeed_cannot_express(kwargs, mes
 @pytest.mark.slow
 def test_the_accelerate_loop_example_runs_and_reports_loss_and_scale():
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "examples" / "accelerate_loop.py"), "--steps", "8"],
+        [sys.executable, str(REPO_ROOT / "examples" / "accelerate_loop.py"), "--steps", "4"],
         env=subprocess_env(),
         capture_output=True,
         text=True,

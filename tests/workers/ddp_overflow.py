@@ -4,11 +4,15 @@ Launched by tests/test_accelerate_distributed.py with ``torch.distributed.run`` 
 Each rank writes what it saw to ``<out_dir>/rank<N>.json`` (and its final parameters to
 ``rank<N>.pt``) for the test process to compare.
 
-Two checks in one launch (process start-up dominates the cost):
+Three checks in one launch (process start-up dominates the cost):
 * ``plain``: DynamicLossScaler with bare torch.distributed (no Accelerate, no DDP): rank 1 alone
   has an inf gradient; the found-inf all-reduce must make both ranks skip.
 * ``accelerate``: AmpAccelerator + DDP on tiny BERT in fp16 autocast; rank 1 writes an inf into a
   gradient after DDP's all-reduce, so only rank 1's gradients overflow.
+* ``fsdp2``: DynamicLossScaler with torch's own FSDP2 (``fully_shard``, DTensor gradient shards),
+  without Accelerate: Accelerate runs FSDP only on accelerators (with ``cpu=True`` it ignores the
+  FSDP plugin and uses DDP), so on CPU the sharded case is exercised with torch directly. Rank 1
+  overflows in its own shard; both ranks must skip.
 """
 
 from __future__ import annotations
@@ -69,6 +73,48 @@ def accelerate_check(accelerator: AmpAccelerator, rank: int) -> tuple[dict, torc
     return {"skipped": skipped, "scales": scales, "world_size": accelerator.num_processes}, flat
 
 
+def fsdp2_check(rank: int) -> tuple[dict, torch.Tensor]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = DynamicLossScaler("cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(200 + rank)
+    skipped, scales, unchanged, grad_types = [], [], [], set()
+    for step in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(4, 8, generator=g)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        grad = model[0].weight.grad
+        grad_types.add(type(grad).__name__)
+        if step == INJECT_AT and rank == 1:
+            grad.to_local().view(-1)[0] = float("inf")  # this rank's shard only
+        before = full_params(model)
+        scaler.clip_grad_norm_(optimizer, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        skipped.append(scaler.step_was_skipped)
+        scales.append(scaler.get_scale())
+        unchanged.append(bool(torch.equal(before, full_params(model))))
+    result = {
+        "skipped": skipped,
+        "scales": scales,
+        "params_unchanged": unchanged,
+        "grad_types": sorted(grad_types),
+    }
+    return result, full_params(model)
+
+
+def full_params(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([p.full_tensor().flatten() for p in model.parameters()])
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     accelerator = AmpAccelerator(
@@ -77,8 +123,10 @@ def main() -> None:
     rank = accelerator.process_index
     result = {"plain": plain_scaler_check(rank)}
     result["accelerate"], flat = accelerate_check(accelerator, rank)
+    result["fsdp2"], fsdp_flat = fsdp2_check(rank)
     result["backend"] = dist.get_backend()
     torch.save(flat, out_dir / f"rank{rank}.pt")
+    torch.save(fsdp_flat, out_dir / f"rank{rank}_fsdp2.pt")
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     accelerator.wait_for_everyone()
     accelerator.end_training()
