@@ -294,10 +294,10 @@ def _run_doctor(args: argparse.Namespace) -> int:
         texts, labels = _load_texts(args.data, args.batch_size)
     elif texts:
         texts = texts[: args.batch_size]
-    model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
     if texts and tokenizer is None:
         raise UsageError(f"--model {args.model}: no tokenizer saved there to encode the texts")
+    model = load_model(args.model)
     batch = _doctor_batch(model, tokenizer, texts, labels)
     diagnosis = diagnose(model, batch, lr=args.lr, steps=args.steps, device=args.device)
     print(diagnosis)
@@ -318,6 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(stop.code or 0)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("amp_trainer").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    if not args.verbose:
+        # transformers draws a progress bar per load/save; a CLI's output is the report.
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     prog = f"amp-trainer {args.command}"
     try:
         return args.handler(args)
