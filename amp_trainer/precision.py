@@ -385,12 +385,17 @@ def keep_norms_in_fp32(model: nn.Module) -> list[str]:
     input's dtype. So it holds inside ``torch.autocast``, after ``model.half()`` (called before or
     after this function) and in a model exported to FP16.
 
-    Idempotent: layers already handled are left alone (no hook stacking). Parameter names and
-    ``state_dict`` keys are unchanged; the model still pickles, deep-copies and
-    ``save_pretrained``s. Returns the qualified names of the layers it handled this call.
+    Idempotent: a layer handled by an earlier call (or carried over by ``copy.deepcopy`` or
+    pickling) gets no second set of hooks; its parameters are re-cast to FP32 now. Parameter
+    names and ``state_dict`` keys are unchanged; the model still pickles, deep-copies and
+    ``save_pretrained``s.
+
+    Returns the qualified names of *every* norm layer now kept in FP32, whether this call or an
+    earlier one added its hooks, so the answer is the same on every call (an exporter can list
+    them even for a model a trainer already prepared).
     """
-    touched: list[str] = []
-    covered: list[str] = []  # norms with hooks, from this call or an earlier one
+    covered: list[str] = []  # norms kept in FP32, by this call or an earlier one
+    added = 0
     for name, module in model.named_modules():
         if not is_norm_module(module):
             continue
@@ -399,17 +404,17 @@ def keep_norms_in_fp32(model: nn.Module) -> list[str]:
         if any(name.startswith(outer + ".") or outer == "" for outer in covered):
             continue
         covered.append(name)
+        _to_fp32_in_place(module)
         if _has_fp32_hooks(module):
             continue
-        _to_fp32_in_place(module)
         hooks = _Fp32Norm()
         module.register_forward_pre_hook(hooks.pre_forward, with_kwargs=True)
         module.register_forward_hook(hooks.post_forward, always_call=True)
         module.register_state_dict_pre_hook(_state_dict_pre_hook)
-        touched.append(name)
-    if touched:
-        logger.debug("Kept %d normalisation layer(s) in fp32: %s", len(touched), _describe(touched))
-    return touched
+        added += 1
+    if added:
+        logger.debug("Kept %d new normalisation layer(s) in fp32 (%d in all)", added, len(covered))
+    return covered
 
 
 # --------------------------------------------------------------------------------------------

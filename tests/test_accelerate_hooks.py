@@ -201,13 +201,16 @@ def test_an_enabled_scaler_for_a_bf16_run_is_refused():
 def test_prepare_keeps_norms_in_fp32_under_fp16(tiny_bert):
     accelerator = AmpAccelerator(mixed_precision="fp16", cpu=True)
     model = accelerator.prepare(tiny_bert)
-    assert keep_norms_in_fp32(model) == []  # prepare() already did it
+    norm = model.bert.embeddings.LayerNorm
+    assert len(norm._forward_pre_hooks) == 1  # prepare() added the FP32 hooks
+    keep_norms_in_fp32(model)
+    assert len(norm._forward_pre_hooks) == 1
 
 
 def test_keep_norms_fp32_false_leaves_the_model_alone(tiny_bert):
     accelerator = AmpAccelerator(mixed_precision="fp16", cpu=True, keep_norms_fp32=False)
     model = accelerator.prepare(tiny_bert)
-    assert len(keep_norms_in_fp32(model)) == 5
+    assert len(model.bert.embeddings.LayerNorm._forward_pre_hooks) == 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -164,12 +164,16 @@ def test_keep_norms_returns_the_names_of_every_norm_layer_of_tiny_bert(tiny_bert
     assert len(touched) == 5  # embeddings + 2 per layer
 
 
+def hook_counts(model: nn.Module) -> list[int]:
+    return [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+
+
 def test_keep_norms_is_idempotent_and_stacks_no_hooks(tiny_gpt2):
     first = keep_norms_in_fp32(tiny_gpt2)
-    hook_counts = [len(m._forward_pre_hooks) for m in tiny_gpt2.modules()]
+    counts = hook_counts(tiny_gpt2)
     assert first
-    assert keep_norms_in_fp32(tiny_gpt2) == []
-    assert [len(m._forward_pre_hooks) for m in tiny_gpt2.modules()] == hook_counts
+    assert keep_norms_in_fp32(tiny_gpt2) == first
+    assert hook_counts(tiny_gpt2) == counts
 
 
 def test_norm_inside_a_norm_named_wrapper_is_handled_once():
@@ -183,7 +187,7 @@ def test_norm_inside_a_norm_named_wrapper_is_handled_once():
 
     model = nn.Sequential(WrappedLayerNorm())
     assert keep_norms_in_fp32(model) == ["0"]
-    assert keep_norms_in_fp32(model) == []
+    assert len(model[0].inner._forward_pre_hooks) == 0
 
 
 def test_norm_params_are_fp32_when_half_was_called_before():
@@ -191,6 +195,13 @@ def test_norm_params_are_fp32_when_half_was_called_before():
     keep_norms_in_fp32(model)
     assert _norm_param_dtypes(model) == {torch.float32}
     assert model.transformer.wte.weight.dtype == torch.float16
+
+
+def test_keep_norms_on_a_halved_copy_of_a_handled_model_restores_fp32_at_once(tiny_bert):
+    names = keep_norms_in_fp32(tiny_bert)
+    fp16 = copy.deepcopy(tiny_bert).half()
+    assert keep_norms_in_fp32(fp16) == names
+    assert _norm_param_dtypes(fp16) == {torch.float32}
 
 
 def test_norm_params_return_to_fp32_when_half_is_called_after():
@@ -274,7 +285,8 @@ def test_batchnorm_in_a_half_model_keeps_fp32_running_stats_and_updates_them():
 
 
 def test_model_with_fp32_norms_survives_pickle_and_deepcopy(tiny_bert):
-    keep_norms_in_fp32(tiny_bert)
+    names = keep_norms_in_fp32(tiny_bert)
+    counts = hook_counts(tiny_bert)
     tiny_bert.eval()
     buffer = io.BytesIO()
     torch.save(tiny_bert, buffer)
@@ -283,7 +295,9 @@ def test_model_with_fp32_norms_survives_pickle_and_deepcopy(tiny_bert):
     copied = copy.deepcopy(tiny_bert)
     ids = torch.randint(0, 128, (2, 8))
     for clone in (restored, copied):
-        assert keep_norms_in_fp32(clone) == []  # the hooks came along
+        assert hook_counts(clone) == counts  # the hooks came along
+        assert keep_norms_in_fp32(clone) == names
+        assert hook_counts(clone) == counts  # and were recognised as ours
         clone.half()
         with torch.no_grad():
             assert clone(input_ids=ids).logits.dtype == torch.float16
