@@ -186,6 +186,22 @@ def test_a_scaler_passed_in_is_the_one_used(tmp_path):
     assert trainer.accelerator.scaler is scaler
 
 
+def test_a_scaler_passed_to_a_run_without_fp16_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="the run is fp32, which uses no loss scaling"):
+        AmpTrainer(
+            model=make_tiny_bert(),
+            args=_args(tmp_path, precision="fp32"),
+            loss_scaler=DynamicLossScaler("cpu"),
+        )
+
+
+def test_torch_compile_with_fp32_norm_hooks_is_refused_up_front(tmp_path):
+    # torch.compile of the norm hooks fails at the first step in torch 2.13 (dynamo cannot trace
+    # an autocast region opened in a pre-hook and closed in a hook); the error comes at init.
+    with pytest.raises(ValueError, match="keep_norms_fp32=False or turn torch_compile off"):
+        AmpTrainer(model=make_tiny_bert(), args=_args(tmp_path, torch_compile=True))
+
+
 def test_fp32_precision_installs_no_scaler_and_logs_no_scale(tmp_path):
     trainer = AmpTrainer(
         model=make_tiny_bert(),
