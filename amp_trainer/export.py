@@ -567,11 +567,13 @@ def _export_torchscript(
         # Tracing warns about every Python-level shape check in modeling code; the trace is
         # validated below against the FP32 reference instead.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        # ...and tracing reads every attribute, deprecated transformers properties included.
+        warnings.simplefilter("ignore", FutureWarning)
         traced = torch.jit.trace(wrapper, example_kwarg_inputs=dict(inputs), strict=False)
     torch.jit.save(traced, str(path))
     reloaded = torch.jit.load(str(path))
     with torch.no_grad():
-        return reloaded(**inputs)
+        return reloaded(**inputs).cpu()
 
 
 def _export_onnx(
@@ -594,7 +596,7 @@ def _export_onnx(
             verbose=False,
         )
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feeds = {i.name: inputs[i.name].numpy() for i in session.get_inputs()}
+    feeds = {i.name: inputs[i.name].cpu().numpy() for i in session.get_inputs()}
     (result,) = session.run([wrapper.output_name], feeds)
     return torch.from_numpy(result)
 
@@ -751,7 +753,9 @@ def export_fp16(
         "max_rel_error": max_rel_error,
         "min_top1_agreement": min_top1_agreement,
     }
+    device = next(source_model.parameters()).device
     inputs = make_sample_batch(source_model, tokenizer, sample_texts, seed)
+    inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
     extra = _forward_kwargs(source_model)
     was_training = reference_model.training
     reference_model.eval()
@@ -773,7 +777,9 @@ def export_fp16(
         )
     with torch.no_grad():
         _, candidate = _pick_output(fp16(**inputs, **extra))
-    mask = inputs["attention_mask"]
+    mask = inputs["attention_mask"].cpu()
+    reference = reference.cpu()
+    candidate = candidate.cpu()
     parity = {"pytorch": _compare("pytorch", output_name, reference, candidate, mask, thresholds)}
     notes: list[str] = []
     if guarded:
