@@ -17,7 +17,7 @@ Parts (all on ``--device``, CUDA by default; ``--tiny`` shrinks everything for a
   and ``amp_trainer.export.export_fp16`` when that module exists).
 * ``attach``     - store a Markdown file another script wrote (bench_trainer.py's table).
 * ``fail``       - record that a part failed or timed out (called by the shell script).
-* ``cuda-ok``    - exit 0 when a CUDA device is usable, 1 otherwise (prints why).
+* ``cuda-ok``    - exit 0 when a CUDA device is usable, 10 when not (prints why).
 """
 
 from __future__ import annotations
@@ -476,10 +476,13 @@ def part_fail(args: argparse.Namespace) -> None:
     save_part(args.output, args.name, {"status": "failed", "reason": reason, "seconds": 0.0})
 
 
+NO_CUDA = 10  # cuda-ok's exit status for "no usable CUDA device" (1 is any other failure)
+
+
 def cuda_ok(_: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("torch.cuda.is_available() is False")
-        return 1
+        return NO_CUDA
     torch.ones(1, device="cuda").add_(1)
     print(f"CUDA device: {torch.cuda.get_device_name(0)}")
     return 0

@@ -23,13 +23,19 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 DRIVER="$REPO/scripts/gpu_check.py"
 
-if [ -z "$PYTHON" ] || ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-    echo "gpu_check: torch is not importable with '${PYTHON:-python}': nothing measured" >&2
+if [ -z "$PYTHON" ]; then
+    echo "gpu_check: no python on PATH: nothing measured" >&2
     exit 3
 fi
-if ! why="$(timeout 60 "$PYTHON" "$DRIVER" cuda-ok 2>&1)"; then
+why="$(timeout 60 "$PYTHON" "$DRIVER" cuda-ok 2>&1)"
+rc=$?
+if [ "$rc" -eq 10 ]; then
     echo "no CUDA device: nothing measured (${why##*$'\n'})"
     exit 0
+elif [ "$rc" -ne 0 ]; then
+    echo "gpu_check: the driver cannot run with $PYTHON (exit status $rc): nothing measured" >&2
+    echo "$why" >&2
+    exit 3
 fi
 echo "gpu_check: $why"
 

@@ -1,0 +1,152 @@
+"""The benchmark scripts run and print well-formed tables (structure only: never timing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+from conftest import REPO_ROOT, subprocess_env
+
+SCRIPTS = REPO_ROOT / "scripts"
+
+
+def _load_script(name: str) -> ModuleType:
+    """Import scripts/<name>.py in this process (the scripts directory is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*command: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(command),
+        cwd=REPO_ROOT,
+        env=subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _table_rows(output: str, first_header: str) -> tuple[list[str], list[list[str]]]:
+    """The header and data rows of the Markdown table whose first column is ``first_header``."""
+    lines = [line for line in output.splitlines() if line.startswith("|")]
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    assert set(lines[start + 1].strip("|").split("|")) == {"---"}
+    rows = []
+    for line in lines[start + 2 :]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) != len(header):
+            break
+        rows.append(cells)
+    return header, rows
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script")
+def test_gpu_check_without_cuda_exits_cleanly_and_says_nothing_was_measured(tmp_path):
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on a GPU machine too.
+    done = _run("bash", str(SCRIPTS / "gpu_check.sh"), str(tmp_path), CUDA_VISIBLE_DEVICES="")
+
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device: nothing measured" in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_check_driver_writes_json_and_markdown_after_a_part(tmp_path):
+    gpu_check = _load_script("gpu_check")
+    results = tmp_path / "gpu.json"
+
+    gpu_check.main(["trajectory", "--output", str(results), "--device", "cpu", "--tiny"])
+
+    part = json.loads(results.read_text())["parts"]["trajectory"]
+    assert part["status"] == "ok"
+    steps = part["result"]["trajectory"]
+    assert [s["step"] for s in steps] == list(range(len(steps)))
+    assert all(s["scale"] > 0 for s in steps)
+    assert "## trajectory (ok" in results.with_suffix(".md").read_text()
+
+
+def test_gpu_check_driver_keeps_a_failed_parts_reason_next_to_earlier_results(tmp_path):
+    gpu_check = _load_script("gpu_check")
+    results = tmp_path / "gpu.json"
+    gpu_check.save_part(results, "scaler", {"status": "ok", "seconds": 1.0, "result": {}})
+
+    gpu_check.main(["fail", "--output", str(results), "--name", "loop", "--rc", "124"])
+
+    parts = json.loads(results.read_text())["parts"]
+    assert parts["scaler"]["status"] == "ok"
+    assert parts["loop"] == {"status": "failed", "reason": "timed out", "seconds": 0.0}
+    assert "Incomplete: timed out" in results.with_suffix(".md").read_text()
+
+
+def test_bench_scaler_prints_one_row_per_optimizer_and_step_kind(tmp_path, capsys):
+    bench_scaler = _load_script("bench_scaler")
+    report = tmp_path / "scaler.md"
+
+    argv = ["--size", "2e4", "--repeats", "2", "--warmup", "0", "--output", str(report)]
+    assert bench_scaler.main(argv) == 0
+
+    out = capsys.readouterr().out
+    header, rows = _table_rows(out, "optimizer")
+    assert header[:3] == ["optimizer", "step", "bare step ms"]
+    assert "ours/torch" in header and header[-1] == "bar"
+    assert [(r[0], r[1]) for r in rows] == [
+        (opt, step)
+        for opt in ("sgd", "adamw-foreach", "adamw-fused")
+        for step in ("clean", "overflow")
+    ]
+    assert all(r[-1] in {"ok", "~", "MISS"} for r in rows)
+    assert "torch threads: " in out
+    assert "Physical floor" in out
+    assert report.read_text().strip() == out.split("\nwritten to")[0].strip()
+
+
+def test_bench_scaler_rejects_a_size_too_small_to_hold_the_model():
+    bench_scaler = _load_script("bench_scaler")
+
+    with pytest.raises(ValueError, match="--size must be >= 1000"):
+        bench_scaler.main(["--size", "10"])
+
+
+@pytest.mark.slow
+def test_bench_trainer_prints_ampTrainer_against_stock_fp16(tmp_path):
+    done = _run(
+        sys.executable,
+        str(SCRIPTS / "bench_trainer.py"),
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "8",
+        "--repeats",
+        "1",
+        "--modes",
+        "amp-fp16,stock-fp16",
+        timeout=240,
+    )
+
+    assert done.returncode == 0, done.stderr
+    header, rows = _table_rows(done.stdout, "mode")
+    assert header[:4] == ["mode", "steps/s", "tokens/s", "vs stock fp16"]
+    by_mode = {r[0]: dict(zip(header, r)) for r in rows}
+    assert set(by_mode) == {"amp-fp16", "stock-fp16"}
+    assert by_mode["stock-fp16"]["vs stock fp16"] == "1.000x"
+    # Both really ran FP16 with a loss scaler, the stock one on accelerate's own fp16 path.
+    assert by_mode["amp-fp16"]["scaler (final scale)"].startswith("DynamicLossScaler (")
+    assert by_mode["stock-fp16"]["scaler (final scale)"].startswith("GradScaler (")
+    assert by_mode["amp-fp16"]["autocast"] == by_mode["stock-fp16"]["autocast"] == "fp16"
