@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -146,12 +148,18 @@ def _warn_cpu_fp16() -> None:
         if _warned_cpu_fp16:
             return
         _warned_cpu_fp16 = True
+    # Point the warning at the first caller outside amp_trainer (the user's script, or the
+    # library that built the Trainer/Accelerator), not at our internals.
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    frame, stacklevel = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package_dir):
+        frame, stacklevel = frame.f_back, stacklevel + 1
     warnings.warn(
         "fp16 on CPU runs for real (autocast to float16 plus dynamic loss scaling), but CPUs "
         "without FP16 arithmetic units emulate it and are usually slower than fp32. Use it to "
         "test an FP16 setup; train on a GPU, or use bf16 on CPUs that support it.",
         CpuFp16Warning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 

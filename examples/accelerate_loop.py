@@ -75,7 +75,7 @@ def main() -> None:
             loss = model(input_ids=input_ids, labels=input_ids).loss
             accelerator.backward(loss)  # scaled by S
             if accelerator.sync_gradients:
-                if step == args.inject_overflow_at:  # demo: what an fp16 overflow looks like
+                if step + 1 == args.inject_overflow_at:  # demo: what an fp16 overflow looks like
                     model.lm_head.weight.grad[0, 0] = float("inf")
                 # Unscales (once) and clips the true gradients; inf on an overflow step.
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -49,6 +49,14 @@ def test_fp16_on_cpu_is_honoured_with_exactly_one_warning_per_process(monkeypatc
     assert "slow" in str(cpu_warnings[0].message)
 
 
+def test_cpu_fp16_warning_points_at_the_caller_not_at_amp_trainer(monkeypatch):
+    monkeypatch.setattr(precision, "_warned_cpu_fp16", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_precision("fp16", "cpu")
+    assert [w.filename for w in caught if issubclass(w.category, CpuFp16Warning)] == [__file__]
+
+
 def test_auto_on_cpu_is_bf16_exactly_when_the_cpu_has_native_bf16():
     expected = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
     assert resolve_precision("auto", "cpu") == expected
