@@ -303,10 +303,10 @@ def test_fp16_training_reduces_the_loss(tmp_path):
         model=make_tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
         args=_args(
             tmp_path,
-            max_steps=20,
+            max_steps=10,
             per_device_train_batch_size=8,
             logging_steps=5,
-            learning_rate=3e-3,
+            learning_rate=5e-3,
             lr_scheduler_type="constant",
         ),
         train_dataset=dataset,
