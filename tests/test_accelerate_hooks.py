@@ -89,6 +89,22 @@ def test_upstream_accelerate_silently_ignores_fp16_on_cpu():
     assert accelerator.native_amp is False
 
 
+def test_upstream_torch_scaler_hides_fused_optimizer_skips_from_accelerate():
+    # Why install_scaler exists: torch's GradScaler hands fused optimizers its found-inf tensor
+    # and calls step() anyway, so Accelerate (and its scheduler) never learn of the skip.
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    accelerator.scaler, accelerator.native_amp = torch.amp.GradScaler("cpu"), True
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = accelerator.prepare(
+        model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    )
+    accelerator.backward(model(torch.ones(2, 4)).sum())
+    model.weight.grad[0, 0] = float("inf")
+    optimizer.step()
+    assert accelerator.scaler.get_scale() < 2.0**16  # torch did see the overflow...
+    assert not accelerator.optimizer_step_was_skipped  # ...but Accelerate was told nothing
+
+
 def test_fp16_on_cpu_installs_our_scaler_and_real_autocast():
     accelerator = AmpAccelerator(mixed_precision="fp16", cpu=True)
     assert isinstance(accelerator.scaler, DynamicLossScaler)
