@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import unwrap_peft_model
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
 from amp_trainer.precision import (
     cast_trainable_params_to_fp32,
@@ -156,7 +157,19 @@ class AmpTrainingArguments(TrainingArguments):
         if requested == "auto" and flags:
             requested = flags[0]
         device = "cpu" if self.use_cpu else None
-        return resolve_precision(requested, device)
+        precision = resolve_precision(requested, device)
+        if (
+            requested == "auto"
+            and precision == "bf16"
+            and not self.use_cpu
+            and not is_torch_bf16_gpu_available()
+            and not is_torch_xla_available()
+        ):
+            # A bf16-capable CPU and no accelerator: TrainingArguments refuses bf16 there unless
+            # use_cpu=True says the CPU is meant. "auto" must not turn that into an error.
+            logger.info("precision='auto' picked fp32 here; pass use_cpu=True to get bf16 on CPU")
+            precision = "fp32"
+        return precision
 
     def loss_scaler_kwargs(self) -> dict[str, Any]:
         """The :class:`DynamicLossScaler` keyword arguments these fields describe (validated)."""

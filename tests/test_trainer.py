@@ -17,6 +17,7 @@ from test_trainer_support import (
 from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments, DynamicLossScaler
+from amp_trainer.precision import resolve_precision
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +62,19 @@ def test_precision_fp32_leaves_mixed_precision_off(tmp_path):
     args = AmpTrainingArguments(output_dir=str(tmp_path), use_cpu=True, precision="fp32")
 
     assert (args.fp16, args.bf16, args.mixed_precision) == (False, False, "no")
+
+
+def test_auto_precision_without_flags_never_refuses_the_default_arguments(tmp_path):
+    args = AmpTrainingArguments(output_dir=str(tmp_path))
+
+    assert args.precision in ("fp16", "bf16", "fp32")
+    assert args.mixed_precision == {"fp16": "fp16", "bf16": "bf16", "fp32": "no"}[args.precision]
+
+
+def test_auto_precision_on_cpu_is_the_precision_policys_choice(tmp_path):
+    args = AmpTrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+
+    assert args.precision == resolve_precision("auto", "cpu")
 
 
 @pytest.mark.parametrize(
@@ -200,6 +214,18 @@ def test_torch_compile_with_fp32_norm_hooks_is_refused_up_front(tmp_path):
     # an autocast region opened in a pre-hook and closed in a hook); the error comes at init.
     with pytest.raises(ValueError, match="keep_norms_fp32=False or turn torch_compile off"):
         AmpTrainer(model=make_tiny_bert(), args=_args(tmp_path, torch_compile=True))
+
+
+def test_bf16_precision_trains_with_no_scaler(tmp_path):
+    trainer = AmpTrainer(
+        model=make_tiny_bert(),
+        args=_args(tmp_path, precision="bf16", max_steps=2),
+        train_dataset=ToyClassification(),
+    )
+    trainer.train()
+
+    assert trainer.loss_scaler is None and trainer.accelerator.scaler is None
+    assert all(math.isfinite(e["loss"]) and "loss_scale" not in e for e in train_logs(trainer))
 
 
 def test_fp32_precision_installs_no_scaler_and_logs_no_scale(tmp_path):
