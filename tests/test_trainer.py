@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
 import pytest
 import torch
 from conftest import make_tiny_bert
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_trainer_support import (
     InjectOverflow,
     ToyClassification,
@@ -85,6 +88,56 @@ def test_precision_contradicting_a_flag_is_a_value_error_naming_both(tmp_path, p
         AmpTrainingArguments(
             output_dir=str(tmp_path), use_cpu=True, precision=precision, **{flag: True}
         )
+
+
+def test_precision_and_flags_always_agree_or_raise(tmp_path):
+    for precision in ("auto", "fp16", "bf16", "fp32"):
+        for fp16, bf16 in itertools.product((False, True), repeat=2):
+            try:
+                args = AmpTrainingArguments(
+                    output_dir=str(tmp_path),
+                    use_cpu=True,
+                    precision=precision,
+                    fp16=fp16,
+                    bf16=bf16,
+                )
+            except ValueError:
+                asked = {name for name, on in (("fp16", fp16), ("bf16", bf16)) if on}
+                assert len(asked) == 2 or (asked and precision not in ("auto", *asked))
+                continue
+            assert (args.fp16, args.bf16) == (args.precision == "fp16", args.precision == "bf16")
+            if fp16 or bf16:
+                assert args.precision == ("fp16" if fp16 else "bf16")
+            elif precision != "auto":
+                assert args.precision == precision
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    init=st.floats(allow_nan=True, allow_infinity=True, width=32),
+    backoff=st.floats(min_value=-1.0, max_value=2.0),
+    interval=st.integers(min_value=-2, max_value=5),
+)
+def test_loss_scale_arguments_accept_exactly_what_the_scaler_accepts(init, backoff, interval):
+    knobs = dict(init_scale=init, backoff_factor=backoff, growth_interval=interval)
+    try:
+        DynamicLossScaler("cpu", **knobs)
+        scaler_error = None
+    except (TypeError, ValueError) as err:
+        scaler_error = err
+    try:
+        args = AmpTrainingArguments(
+            output_dir="unused",
+            use_cpu=True,
+            loss_scale_init=init,
+            loss_scale_backoff_factor=backoff,
+            loss_scale_growth_interval=interval,
+        )
+    except ValueError:
+        assert scaler_error is not None
+    else:
+        assert scaler_error is None
+        assert {k: args.loss_scaler_kwargs()[k] for k in knobs} == knobs
 
 
 def test_unknown_precision_is_a_value_error_listing_the_valid_ones(tmp_path):
