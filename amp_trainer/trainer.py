@@ -28,6 +28,12 @@ object is our scaler).
 ``global_step`` still counts optimizer step *attempts*, skipped ones included, as in stock Trainer
 (``max_steps``, ``save_steps`` and ``logging_steps`` keep their meaning); skipped steps are
 recorded rather than hidden.
+
+Only public Trainer surface is overridden (checked against transformers 5.24):
+``create_accelerator_and_postprocess`` (install the scaler before ``prepare``), ``create_optimizer``
+(precision policy on the model actually trained), ``log`` (scaler fields) and the
+``model_accepts_loss_kwargs`` attribute; the skip rule itself is stock Trainer's
+(``lr_scheduler.step()`` unless ``accelerator.optimizer_step_was_skipped``), made truthful.
 """
 
 from __future__ import annotations
