@@ -337,6 +337,7 @@ def train_wordpiece_tokenizer(
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         model_max_length=model_max_length,
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
         pad_token="[PAD]",
         unk_token="[UNK]",
         cls_token="[CLS]",
@@ -434,7 +435,12 @@ def _load_raw(
     if train_file is not None:
         files = _check_files({"train": train_file, "validation": validation_file}, allowed_suffixes)
         builder = _TEXT_FILE_TYPES[Path(files["train"]).suffix.lower()]
-        raw = load_dataset(builder, data_files=files)
+        try:
+            raw = load_dataset(builder, data_files=files)
+        except ValueError as err:  # a csv with a header only: datasets finds "no data"
+            if "no data" not in str(err):
+                raise
+            raise DataError(f"no rows in the data file(s) {sorted(files.values())}") from err
     elif validation_file is not None:
         raise DataError("validation_file was given without train_file; pass both or neither")
     else:

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +69,21 @@ TINY_CONFIGS = {
         max_position_embeddings=128,
     ),
 }
+
+
+# The training arguments recorded in metrics.json next to the results they produced.
+_TRAINING_KEYS = (
+    "precision",
+    "learning_rate",
+    "num_train_epochs",
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "loss_scale_init",
+    "loss_scale_growth_interval",
+    "loss_scale_hysteresis",
+)
 
 
 @dataclass
@@ -304,6 +319,11 @@ def main(argv: list[str]) -> None:
         "fp16_export_passed": report.passed,
         "wall_time_s": wall,
         "precision": training_args.precision,
+        "config": {
+            "model": asdict(model_args),
+            "data": asdict(data_args),
+            "training": {k: getattr(training_args, k) for k in _TRAINING_KEYS},
+        },
     }
     write_json_atomic(output_dir / "metrics.json", metrics)
 
