@@ -128,7 +128,7 @@ class DataArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config."})
     train_file: str | None = field(default=None, metadata={"help": "Local csv/json/jsonl."})
     validation_file: str | None = field(
-        default=None, metadata={"help": "Local csv/json/jsonl; default: 10% of train held out."}
+        default=None, metadata={"help": "Local csv/json/jsonl; default: 10%% of train held out."}
     )
     text_column: str | None = field(
         default=None, metadata={"help": "Text column; default 'sentence' or 'text'."}
@@ -207,11 +207,16 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
-        level=training_args.get_process_log_level(),
+        level=logging.INFO if training_args.should_log else logging.WARNING,
     )
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     transformers.set_seed(training_args.seed)
-    logger.info("precision=%s device=%s", training_args.precision, training_args.device)
+    logger.info(
+        "precision=%s device=%s world_size=%d",
+        training_args.precision,
+        training_args.device,
+        training_args.world_size,
+    )
 
     # ---- data: every check on the user's input runs before tokenization and model loading
     data = load_text_classification(
