@@ -23,6 +23,8 @@ Modes:
   stock code.
 * ``amp-bf16``   - AmpTrainer, ``precision="bf16"`` (no scaler).
 * ``fp32``       - stock Trainer, no mixed precision: the baseline.
+* ``amp-fp16-no-norm-hooks`` (only when asked for in ``--modes``) - ``amp-fp16`` with
+  ``keep_norms_fp32=False``: what the FP32-norm forward hooks cost.
 
 Speed is measured on the steady state: the wall time from the end of the warm-up steps to the end
 of the last step, taken in a TrainerCallback (with a CUDA synchronize at both ends on a GPU), so
@@ -56,11 +58,13 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("amp-fp16", "stock-fp16", "amp-bf16", "fp32")
+# Not run by default: AmpTrainer fp16 without the FP32-norm forward hooks (keep_norms_fp32=False),
+# to measure what those hooks cost per step (Python work on every norm call; visible on a GPU).
+EXTRA_MODES = ("amp-fp16-no-norm-hooks",)
 RESULT_PREFIX = "BENCH_TRAINER_RESULT "
 # The model sizes: "small" is the CPU default (4 layers, 128 wide: FP16 matmuls on a CPU without
-# FP16 units are ~10x slower than FP32, so this is what trains 30 steps in ~20 s), "tiny" is for
-# smoke tests,
-# "bert-base" is bert-base-uncased's shape (for GPUs).
+# FP16 units are ~7x slower than FP32, so this is what trains 30 steps in ~10-20 s), "tiny" is
+# for smoke tests, "bert-base" is bert-base-uncased's shape (for GPUs).
 MODELS = {
     "tiny": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab": 512},
     "small": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab": 8192},
@@ -179,6 +183,9 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     mode = args.worker
     if mode == "amp-fp16":
         targs, cls = AmpTrainingArguments(precision="fp16", **common), AmpTrainer
+    elif mode == "amp-fp16-no-norm-hooks":
+        targs = AmpTrainingArguments(precision="fp16", keep_norms_fp32=False, **common)
+        cls = AmpTrainer
     elif mode == "amp-bf16":
         targs, cls = AmpTrainingArguments(precision="bf16", **common), AmpTrainer
     elif mode == "stock-fp16":
@@ -186,7 +193,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     elif mode == "fp32":
         targs, cls = TrainingArguments(**common), Trainer
     else:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"mode must be one of {MODES + EXTRA_MODES}, got {mode!r}")
 
     model = _build_model(args.model, args.seq_len)
     dataset = _RandomTokens(args.steps * args.batch_size, args.seq_len, model.config.vocab_size)
@@ -287,6 +294,8 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
     ]
     rows = []
     for mode, results in runs.items():
+        if not results:
+            continue
         speed = [r["steps_per_s"] for r in results]
         mem = statistics.median(r["peak_mem_mib"] for r in results)
         scale = results[-1]["final_scale"]
@@ -300,9 +309,8 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
                 f"{mem - stock_mem:+.0f}" if stock_mem is not None else "n/a",
                 f"{statistics.median(r['mean_loss'] for r in results):.4f}",
                 results[-1]["scaler"] + (f" ({scale:g})" if scale is not None else ""),
-                "fp16"
-                if mode.endswith("fp16") and results[-1]["autocast"]
-                else ("bf16" if mode.endswith("bf16") and results[-1]["autocast"] else "off"),
+                # What really ran: Accelerate's mixed_precision, if autocast is actually on.
+                results[-1]["mixed_precision"] if results[-1]["autocast"] else "off",
             ]
         )
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -310,7 +318,7 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     import transformers
 
-    first = next(iter(runs.values()))[0]
+    first = next(r for results in runs.values() for r in results)
     spec = MODELS[args.model]
     lines = [
         "# AmpTrainer vs stock Trainer",
@@ -335,16 +343,25 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
     return "\n".join(lines)
 
 
+def _write(path: Path, report: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(report + "\n")
+    tmp.replace(path)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--model", default="small", choices=tuple(MODELS))
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default steps/5)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode (>= 1)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"subset of {','.join(MODES + EXTRA_MODES)}"
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -370,9 +387,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"--warmup must be in [1, steps - 1] = [1, {args.steps - 1}], got {args.warmup}"
         )
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES + EXTRA_MODES]
     if bad or not modes:
-        parser.error(f"--modes must be a subset of {','.join(MODES)}, got {args.modes!r}")
+        parser.error(
+            f"--modes must be a subset of {','.join(MODES + EXTRA_MODES)}, got {args.modes!r}"
+        )
     args.modes = modes
     return args
 
@@ -398,13 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     flush=True,
                 )
                 runs[mode].append(result)
+                if args.output is not None:  # after every run: a cut-short benchmark keeps them
+                    _write(args.output, build_report(args, runs))
     report = build_report(args, runs)
     print(report)
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.output.with_name(args.output.name + ".tmp")
-        tmp.write_text(report + "\n")
-        tmp.replace(args.output)
         print(f"\nwritten to {args.output}")
     return 0 if all(math.isfinite(r["mean_loss"]) for rs in runs.values() for r in rs) else 1
 

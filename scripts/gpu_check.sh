@@ -27,8 +27,21 @@ if [ -z "$PYTHON" ]; then
     echo "gpu_check: no python on PATH: nothing measured" >&2
     exit 3
 fi
-why="$(timeout 60 "$PYTHON" "$DRIVER" cuda-ok 2>&1)"
-rc=$?
+# GPU_CHECK_DRY_RUN_ON_CPU=1 runs every part on the CPU with tiny models: a test of this script,
+# not a measurement.
+DRY_RUN="${GPU_CHECK_DRY_RUN_ON_CPU:-0}"
+if [ "$DRY_RUN" = 1 ]; then
+    PART_ARGS=(--device cpu --tiny)
+    TRAINER_ARGS=(--device cpu --model tiny --batch-size 2 --seq-len 8 --steps 3 --repeats 1)
+    why="dry run on CPU (GPU_CHECK_DRY_RUN_ON_CPU=1): tiny models, nothing meaningful measured"
+    rc=0
+else
+    PART_ARGS=(--device cuda)
+    TRAINER_ARGS=(--device cuda --model bert-base --batch-size 32 --seq-len 128 --steps 30
+        --repeats 2)
+    why="$(timeout 60 "$PYTHON" "$DRIVER" cuda-ok 2>&1)"
+    rc=$?
+fi
 if [ "$rc" -eq 10 ]; then
     echo "no CUDA device: nothing measured (${why##*$'\n'})"
     exit 0
@@ -44,6 +57,7 @@ STAMP="$(date -u +%Y-%m-%dT%H%M%SZ)"
 RESULTS="$OUT_DIR/gpu-$STAMP.json"
 echo "gpu_check: results -> $RESULTS and ${RESULTS%.json}.md"
 failures=0
+last_rc=0
 
 # run_part NAME SECONDS COMMAND...: run one part under its own timeout; record a failure.
 run_part() {
@@ -52,6 +66,7 @@ run_part() {
     echo "gpu_check: === $name (limit ${limit}s) ==="
     timeout --kill-after=10 "$limit" "$@"
     local rc=$?
+    last_rc=$rc
     if [ "$rc" -ne 0 ]; then
         echo "gpu_check: $name failed (exit status $rc)" >&2
         failures=$((failures + 1))
@@ -60,18 +75,20 @@ run_part() {
 }
 
 # Most important first: a budget overrun cuts the least important part.
-run_part loop 150 "$PYTHON" "$DRIVER" loop --output "$RESULTS"
-run_part scaler 90 "$PYTHON" "$DRIVER" scaler --output "$RESULTS"
-run_part trajectory 60 "$PYTHON" "$DRIVER" trajectory --output "$RESULTS"
-run_part export 45 "$PYTHON" "$DRIVER" export --output "$RESULTS"
+run_part loop 150 "$PYTHON" "$DRIVER" loop "${PART_ARGS[@]}" --output "$RESULTS"
+run_part scaler 75 "$PYTHON" "$DRIVER" scaler "${PART_ARGS[@]}" --output "$RESULTS"
+run_part trajectory 45 "$PYTHON" "$DRIVER" trajectory "${PART_ARGS[@]}" --output "$RESULTS"
+run_part export 45 "$PYTHON" "$DRIVER" export "${PART_ARGS[@]}" --output "$RESULTS"
 
 if [ -f "$REPO/scripts/bench_trainer.py" ] && [ -f "$REPO/amp_trainer/trainer.py" ]; then
     TRAINER_MD="$OUT_DIR/gpu-$STAMP-trainer.md"
-    run_part trainer 120 "$PYTHON" "$REPO/scripts/bench_trainer.py" --device cuda \
-        --model bert-base --batch-size 32 --seq-len 128 --steps 30 --repeats 2 \
+    run_part trainer 130 "$PYTHON" "$REPO/scripts/bench_trainer.py" "${TRAINER_ARGS[@]}" \
+        --modes amp-fp16,stock-fp16,amp-fp16-no-norm-hooks,amp-bf16 \
         --output "$TRAINER_MD"
-    if [ -f "$TRAINER_MD" ]; then
-        "$PYTHON" "$DRIVER" attach --output "$RESULTS" --name trainer --file "$TRAINER_MD" || true
+    if [ -f "$TRAINER_MD" ]; then  # written after every run, so also after a timeout
+        name=trainer
+        [ "$last_rc" -eq 0 ] || name=trainer-partial  # keep the failure record next to it
+        "$PYTHON" "$DRIVER" attach --output "$RESULTS" --name "$name" --file "$TRAINER_MD" || true
     fi
 else
     echo "gpu_check: trainer part skipped (scripts/bench_trainer.py or amp_trainer/trainer.py missing)"
