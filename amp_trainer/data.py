@@ -395,6 +395,15 @@ def train_byte_level_bpe_tokenizer(
 # --------------------------------------------------------------------------------------------
 
 
+def _has_content(path: Path, chunk_bytes: int = 1 << 20) -> bool:
+    """Whether the file holds anything but whitespace; reads only up to the first content."""
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            if chunk.strip():
+                return True
+    return False
+
+
 def _check_files(files: dict[str, str | None], allowed: Iterable[str]) -> dict[str, str]:
     """Existing, non-empty files of one allowed type; returns ``{split: path}``."""
     allowed = sorted(allowed)
@@ -409,7 +418,7 @@ def _check_files(files: dict[str, str | None], allowed: Iterable[str]) -> dict[s
             )
         if not path.is_file():
             raise DataError(f"{split} file {file!r} does not exist")
-        if not path.read_text(encoding="utf-8", errors="replace").strip():
+        if not _has_content(path):
             raise DataError(f"{split} file {file!r} is empty")
         checked[split] = str(path)
     if len({Path(p).suffix.lower().replace("jsonl", "json") for p in checked.values()}) > 1:
