@@ -40,8 +40,8 @@ The ratio compares TOTAL time instead of overhead on two kinds of rows:
   and then calls the same kernel, so "overhead" does not mean the same work on both sides; the
   user-visible cost is the total;
 * overflow steps: no optimizer arithmetic should run at all, so the whole step is overhead
-  (torch's fused path still launches the optimizer kernel with ``found_inf`` set; on CPU that
-  costs about as much as a real step even though the weights are left untouched).
+  (torch's fused path still launches the optimizer kernel with ``found_inf`` set: the weights
+  are left untouched, but the launch is not free; see the fused overflow row).
 
 The physical floor is also printed: one ``torch._foreach_mul_`` of every gradient by a scalar,
 i.e. one read and one write of all gradients, which is the least an unscale can cost. A scaler
@@ -49,9 +49,12 @@ whose clean-step overhead is ~1 floor pass does nothing but the fused check-and-
 
 Usage::
 
-    python scripts/bench_scaler.py                         # full size, CPU, ~3-5 min on 2 cores
+    python scripts/bench_scaler.py --threads 1             # full size, CPU, ~5 min on 2 cores
     python scripts/bench_scaler.py --size 1e6 --repeats 3  # smoke run, seconds
     python scripts/bench_scaler.py --device cuda --output benchmarks/gpu-scaler.md
+
+On a CPU shared with other processes use ``--threads 1``: OpenMP workers that spin-wait for a
+descheduled sibling turn 2-thread timings into scheduler noise.
 """
 
 from __future__ import annotations
