@@ -164,7 +164,7 @@ class DynamicLossScaler:
         on_min_scale: str = "raise",
         process_group: Any = None,
     ) -> None:
-        self._device = torch.device(device).type if not isinstance(device, str) else device
+        self._device_type = torch.device(device).type
         self._enabled = bool(enabled)
         self._configure(
             init_scale=init_scale,
@@ -484,7 +484,7 @@ class DynamicLossScaler:
     def _fallback_device(self) -> torch.device:
         if self._device_cache:
             return next(iter(self._device_cache))
-        if self._device == "cuda" and torch.cuda.is_available():
+        if self._device_type == "cuda" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -768,6 +768,20 @@ class DynamicLossScaler:
         self._overflow_streak = counters["overflow_streak"]
         self._per_optimizer.clear()
         self._device_cache.clear()
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """Create the scale tensors on ``dev`` now (torch's private name for it).
+
+        Accelerate's FSDP2 ``load_state`` calls this torch-private method right after
+        ``load_state_dict`` (accelerate 1.15, ``Accelerator.load_state``); without it, resuming
+        an FSDP2 run with our scaler would raise ``AttributeError``.
+        """
+        if self._enabled:
+            self._device_tensors(torch.device(dev))
+
+    @property
+    def _device(self) -> str:  # read by the same Accelerate code path
+        return self._device_type
 
     def __getstate__(self) -> dict[str, Any]:
         # Device tensors, per-iteration optimizer states and the process group are runtime-only:

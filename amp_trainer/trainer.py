@@ -41,6 +41,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -146,6 +147,9 @@ class AmpTrainingArguments(TrainingArguments):
         self.fp16 = self.precision == "fp16"
         self.bf16 = self.precision == "bf16"
         super().__post_init__()
+        # TrainingArguments falls back to ACCELERATE_MIXED_PRECISION when both flags are False,
+        # which would run `accelerate launch`'s fp16 under an explicit precision="fp32".
+        self.mixed_precision = {"fp16": "fp16", "bf16": "bf16"}.get(self.precision, "no")
         self.loss_scaler_kwargs()  # validate the knobs now, not at the first optimizer step
 
     def _resolve_precision(self) -> str:
@@ -162,6 +166,11 @@ class AmpTrainingArguments(TrainingArguments):
             )
         if requested == "auto" and flags:
             requested = flags[0]
+        elif requested == "auto":
+            # `accelerate launch --mixed_precision fp16` (or its config file) exports this:
+            # "auto" follows the launcher, as a plain TrainingArguments would.
+            launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+            requested = {"fp16": "fp16", "bf16": "bf16"}.get(launcher, "auto")
         device = "cpu" if self.use_cpu else None
         precision = resolve_precision(requested, device)
         if (

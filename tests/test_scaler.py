@@ -65,7 +65,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
 # --------------------------------------------------------------------------------------------
 # 1. exact agreement with torch.amp.GradScaler
 # --------------------------------------------------------------------------------------------
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     overflows=st.lists(st.booleans(), min_size=1, max_size=40),
     growth_interval=st.integers(1, 4),
@@ -574,3 +574,12 @@ def test_scaler_pickles_and_deep_copies():
     clone = pickle.loads(pickle.dumps(scaler))
     assert clone.state_dict() == scaler.state_dict()
     assert copy.deepcopy(scaler).state_dict() == scaler.state_dict()
+
+
+def test_accelerate_fsdp2_load_path_can_initialise_the_scaler_after_loading():
+    """Accelerate 1.15's FSDP2 load_state calls this torch-private method after loading."""
+    scaler = DynamicLossScaler("cpu")
+    scaler.load_state_dict({"scale": 256.0, "_growth_tracker": 3})
+    scaler._lazy_init_scale_growth_tracker(scaler._device)
+    assert scaler._device == "cpu" and scaler.get_scale() == 256.0
+    assert scaler.scale(torch.tensor(1.0)).item() == 256.0
