@@ -19,11 +19,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from amp_trainer.data import OFFLINE_MINILM, TINY_MODEL_CONFIGS
+
 __all__ = ["build_parser", "main"]
 
 logger = logging.getLogger("amp_trainer.cli")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_DEFAULT_LR, _DEFAULT_BATCH_SIZE = 5e-5, 8
+# Names the recipes' model_name_or_path accepts that are no saved model (or a headless one):
+# the doctor builds them as the recipe does.
+_RECIPE_MODEL_NAMES = (*sorted(TINY_MODEL_CONFIGS), OFFLINE_MINILM)
 # "bert-base-uncased", "org/model": what the hub accepts; "./x", "/a/b/c", "a/b/c" are paths.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
@@ -34,6 +40,7 @@ examples:
       --texts "Hello there" "FP16 has a range of 65504"
   amp-trainer doctor --model runs/bert-sst2 --texts "a great film" "a dull film" --lr 5e-5
   amp-trainer doctor --model runs/gpt2 --data samples.txt --steps 8 --json diagnosis.json
+  amp-trainer doctor --config configs/bert_offline.yaml --steps 2
 
 exit codes: 0 success / healthy, 1 parity failed / not healthy, 2 usage error.
 run 'amp-trainer <command> --help' for a command's options.
@@ -108,7 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--format onnx\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    export.add_argument("--model", required=True, help="model folder or hub id (FP32)")
+    export.add_argument(
+        "--model",
+        required=True,
+        help=f"model folder, hub id or {OFFLINE_MINILM!r} (FP32)",
+    )
     export.add_argument("--output", required=True, help="folder to create")
     export.add_argument("--texts", nargs="+", metavar="TEXT", help="parity sample texts")
     export.add_argument(
@@ -143,13 +154,26 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Runs a few steps of pure FP32, FP16 autocast without a scaler, full AMP with "
             "DynamicLossScaler, then lower learning rates, on copies of the model and one batch; "
-            "names the first module that overflows and prints a verdict with a suggested fix."
+            "names the first module that overflows and prints a verdict with a suggested fix. "
+            "With --config, the model and batch are those of a recipe config (YAML), built by "
+            "the same data functions the recipe uses, at the config's learning rate."
         ),
-        epilog="example:\n  amp-trainer doctor --model runs/bert --texts 'great' 'awful' "
-        "--lr 1e-3\n",
+        epilog="examples:\n  amp-trainer doctor --model runs/bert --texts 'great' 'awful' "
+        "--lr 1e-3\n  amp-trainer doctor --config configs/gpt2_offline.yaml --steps 2\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    doctor.add_argument("--model", required=True, help="model folder or hub id")
+    target = doctor.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--model",
+        help="model folder or hub id; or a recipe's model name "
+        f"({', '.join(_RECIPE_MODEL_NAMES)}): built as its recipe builds it, on the recipe's "
+        "built-in defaults (its flags' defaults, as with --config none)",
+    )
+    target.add_argument(
+        "--config",
+        metavar="YAML",
+        help="a recipe config (configs/*.yaml): its model, first training batch and lr",
+    )
     source = doctor.add_mutually_exclusive_group()
     source.add_argument("--texts", nargs="+", metavar="TEXT", help="the batch's texts")
     source.add_argument(
@@ -160,11 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--lr",
         type=_number(0.0, float("inf"), low_open=True),
-        default=5e-5,
-        help="learning rate of the failing run (default: %(default)s)",
+        help=f"learning rate of the failing run (default: the config's, else {_DEFAULT_LR:g})",
     )
     doctor.add_argument("--steps", type=_positive_int, default=4, help="steps per stage")
-    doctor.add_argument("--batch-size", type=_positive_int, default=8, help="texts used")
+    doctor.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        help=f"examples in the batch (default: the config's per_device_train_batch_size, "
+        f"else {_DEFAULT_BATCH_SIZE})",
+    )
     doctor.add_argument("--device", help="default: cuda if available, else cpu")
     doctor.add_argument("--json", metavar="PATH", help="also write the diagnosis as JSON")
     doctor.set_defaults(handler=_run_doctor)
@@ -174,8 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 # shared helpers
 # --------------------------------------------------------------------------------------------
-def _check_model_arg(name: str) -> None:
-    """An existing path must be a model folder; otherwise it must look like a hub id."""
+def _check_model_arg(name: str) -> str:
+    """The folder or hub id ``--model`` names (:data:`OFFLINE_MINILM` resolved to its folder).
+
+    An existing path must be a model folder; otherwise it must look like a hub id. The
+    recipes' from-scratch names (``tiny-bert``) are no saved model: refused here, the doctor
+    handles them before calling this.
+    """
+    if name in TINY_MODEL_CONFIGS:
+        raise UsageError(
+            f"--model {name}: a recipe's untrained from-scratch model; train it with its "
+            "recipe and pass the recipe's output_dir"
+        )
+    if name == OFFLINE_MINILM:
+        from amp_trainer.data import resolve_model_path
+
+        return resolve_model_path(name)  # DataError (one line) without the offline extra
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -184,6 +226,7 @@ def _check_model_arg(name: str) -> None:
             raise UsageError(f"--model {name}: no config.json in that folder (not a model folder)")
     elif not _HUB_ID.fullmatch(name):
         raise UsageError(f"--model {name}: no such directory")
+    return name
 
 
 def _write_json_atomic(path: str, data: Any) -> None:
@@ -223,12 +266,12 @@ def _load_texts(path: str, limit: int) -> tuple[list[str], list[Any] | None]:
 def _run_export(args: argparse.Namespace) -> int:
     from amp_trainer.export import export_fp16
 
-    _check_model_arg(args.model)
+    model = _check_model_arg(args.model)
     output = Path(args.output)
     if output.exists() and not args.overwrite and (not output.is_dir() or any(output.iterdir())):
         raise UsageError(f"--output {args.output} exists and is not empty (use --overwrite)")
     report = export_fp16(
-        args.model,
+        model,
         output,
         sample_texts=args.texts,
         keep_norms_fp32=not args.no_keep_norms_fp32,
@@ -284,22 +327,62 @@ def _doctor_batch(model: Any, tokenizer: Any, texts: Sequence[str] | None, label
     return batch
 
 
+def _recipe_batch(args: argparse.Namespace) -> tuple[Any, dict, float]:
+    """Model, batch and lr of a recipe config (``--config``; or ``--model tiny-bert``: the
+    recipe's built-in defaults), built by :func:`amp_trainer.data.load_recipe_batch`."""
+    from amp_trainer.data import load_recipe_batch
+
+    if args.texts or args.data:
+        option = "--texts" if args.texts else "--data"
+        what = f"--config {args.config}" if args.config else f"--model {args.model}"
+        raise UsageError(f"{option} cannot be combined with {what}: the recipe's data is used")
+    if not args.verbose:
+        import datasets
+
+        datasets.disable_progress_bars()  # one bar per tokenization pass otherwise
+    if args.config:
+        import yaml
+
+        try:
+            recipe = load_recipe_batch(args.config, args.batch_size)
+        except yaml.YAMLError as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else "syntax error"
+            raise UsageError(f"--config {args.config}: not valid YAML ({first})") from None
+        where = f"config {args.config}"
+    else:
+        recipe = load_recipe_batch({"model_name_or_path": args.model}, args.batch_size)
+        where = f"{args.model} with the recipe's defaults"
+    lr = args.lr if args.lr is not None else recipe.learning_rate
+    shape = "x".join(str(n) for n in recipe.batch["input_ids"].shape)
+    print(
+        f"recipe {where}: {recipe.task}, {type(recipe.model).__name__}, "
+        f"batch {shape} (input_ids), lr {lr:g}"
+    )
+    return recipe.model, recipe.batch, lr
+
+
 def _run_doctor(args: argparse.Namespace) -> int:
     from amp_trainer.doctor import Verdict, diagnose
-    from amp_trainer.export import load_model, load_tokenizer
 
-    _check_model_arg(args.model)
-    texts, labels = (args.texts, None)
-    if args.data:
-        texts, labels = _load_texts(args.data, args.batch_size)
-    elif texts:
-        texts = texts[: args.batch_size]
-    tokenizer = load_tokenizer(args.model)
-    if texts and tokenizer is None:
-        raise UsageError(f"--model {args.model}: no tokenizer saved there to encode the texts")
-    model = load_model(args.model)
-    batch = _doctor_batch(model, tokenizer, texts, labels)
-    diagnosis = diagnose(model, batch, lr=args.lr, steps=args.steps, device=args.device)
+    if args.config or args.model in _RECIPE_MODEL_NAMES:
+        model, batch, lr = _recipe_batch(args)
+    else:
+        from amp_trainer.export import load_model, load_tokenizer
+
+        path = _check_model_arg(args.model)
+        batch_size = args.batch_size or _DEFAULT_BATCH_SIZE
+        texts, labels = (args.texts, None)
+        if args.data:
+            texts, labels = _load_texts(args.data, batch_size)
+        elif texts:
+            texts = texts[:batch_size]
+        tokenizer = load_tokenizer(path)
+        if texts and tokenizer is None:
+            raise UsageError(f"--model {args.model}: no tokenizer saved there to encode the texts")
+        model = load_model(path)
+        batch = _doctor_batch(model, tokenizer, texts, labels)
+        lr = args.lr if args.lr is not None else _DEFAULT_LR
+    diagnosis = diagnose(model, batch, lr=lr, steps=args.steps, device=args.device)
     print(diagnosis)
     if args.json:
         _write_json_atomic(args.json, diagnosis.to_dict())

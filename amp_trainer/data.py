@@ -43,14 +43,21 @@ if TYPE_CHECKING:  # pragma: no cover - imported lazily: `datasets` and `transfo
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 __all__ = [
+    "CAUSAL_LM",
+    "CLASSIFICATION",
     "OFFLINE_DATASET",
     "OFFLINE_LABELS",
     "OFFLINE_MINILM",
+    "RECIPE_KEYS",
+    "TINY_MODEL_CONFIGS",
     "ClassificationData",
     "DataError",
+    "RecipeBatch",
     "cache_dir",
     "check_num_labels",
+    "detect_recipe_task",
     "load_lm_corpus",
+    "load_recipe_batch",
     "load_text_classification",
     "offline_classification_dataset",
     "offline_lm_dataset",
@@ -687,3 +694,292 @@ def tokenize_and_chunk(
                 f"lower block_size or add text"
             )
     return chunked
+
+
+# --------------------------------------------------------------------------------------------
+# A recipe config as one batch (for the NaN doctor)
+# --------------------------------------------------------------------------------------------
+
+#: Recipe task of a config: ``recipes/finetune_bert.py`` or ``recipes/finetune_gpt2.py``.
+CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
+_RECIPE_SCRIPTS = {
+    CLASSIFICATION: "recipes/finetune_bert.py",
+    CAUSAL_LM: "recipes/finetune_gpt2.py",
+}
+
+#: The from-scratch sizes behind the recipes' ``model_name_or_path: tiny-bert`` / ``tiny-gpt2``
+#: (``TINY_CONFIGS`` in each recipe; tests/test_cli.py checks the two stay identical).
+TINY_MODEL_CONFIGS: dict[str, dict[str, int]] = {
+    "tiny-bert": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=128,
+    ),
+    "tiny-gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
+}
+_TINY_TASK = {"tiny-bert": CLASSIFICATION, "tiny-gpt2": CAUSAL_LM}
+
+# The recipes' own (non-TrainingArguments) YAML keys: the fields of their ModelArguments and
+# DataArguments (tests/test_cli.py checks these against the recipes).
+_SHARED_RECIPE_KEYS = frozenset(
+    {
+        "model_name_or_path", "tokenizer_vocab_size", "lora", "lora_r", "lora_alpha",
+        "lora_dropout", "dataset_name", "dataset_config_name", "train_file", "validation_file",
+        "text_column", "max_train_samples", "max_eval_samples",
+    }
+)  # fmt: skip
+RECIPE_KEYS: dict[str, frozenset[str]] = {
+    CLASSIFICATION: _SHARED_RECIPE_KEYS
+    | {"num_labels", "ignore_mismatched_sizes", "text_column_2", "label_column", "max_seq_length"},
+    CAUSAL_LM: _SHARED_RECIPE_KEYS | {"block_size", "prompt", "sample_tokens"},
+}
+
+
+@dataclass
+class RecipeBatch:
+    """What a recipe config trains, reduced to one step: the model as the recipe builds it
+    (before training), its tokenizer, and the first training batch as the recipe's collator
+    makes it (labels included, so ``model(**batch).loss`` exists)."""
+
+    task: str
+    model: Any
+    tokenizer: PreTrainedTokenizerBase
+    batch: dict[str, Any]
+    learning_rate: float
+    config: dict[str, Any]
+
+
+def _training_argument_names() -> frozenset[str]:
+    import dataclasses
+
+    from amp_trainer.trainer import AmpTrainingArguments
+
+    return frozenset(f.name for f in dataclasses.fields(AmpTrainingArguments))
+
+
+def detect_recipe_task(config: dict[str, Any], source: str = "the config") -> str:
+    """:data:`CLASSIFICATION` or :data:`CAUSAL_LM`: which recipe ``config`` (YAML values) is for.
+
+    The recipes accept no ``task`` key (unknown keys are an error there), so the task is read
+    from the keys themselves: keys only one recipe has (``max_seq_length``, ``label_column``,
+    ... vs ``block_size``, ``prompt``, ...) decide; failing that, the tiny model names and the
+    offline MiniLM. A key neither recipe knows, keys of both, or nothing to tell them apart is
+    a :class:`DataError` that says which keys would decide.
+    """
+    own = set(config) - _training_argument_names()
+    unknown = sorted(own - RECIPE_KEYS[CLASSIFICATION] - RECIPE_KEYS[CAUSAL_LM])
+    if unknown:
+        raise DataError(
+            f"unknown key(s) {unknown} in {source}; valid keys are the flags of "
+            f"{_RECIPE_SCRIPTS[CLASSIFICATION]} or {_RECIPE_SCRIPTS[CAUSAL_LM]} without '--'"
+        )
+    fits = [task for task, keys in RECIPE_KEYS.items() if own <= keys]
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        cls_only = sorted(own & (RECIPE_KEYS[CLASSIFICATION] - _SHARED_RECIPE_KEYS))
+        lm_only = sorted(own & (RECIPE_KEYS[CAUSAL_LM] - _SHARED_RECIPE_KEYS))
+        raise DataError(
+            f"{source} mixes classification keys {cls_only} and causal-LM keys {lm_only}; "
+            "a recipe config is for one of the two"
+        )
+    name = config.get("model_name_or_path")
+    if name in _TINY_TASK:
+        return _TINY_TASK[name]
+    if name == OFFLINE_MINILM:
+        return CLASSIFICATION
+    raise DataError(
+        f"cannot tell which recipe {source} is for: add max_seq_length (classification, "
+        f"{_RECIPE_SCRIPTS[CLASSIFICATION]}) or block_size (causal LM, "
+        f"{_RECIPE_SCRIPTS[CAUSAL_LM]})"
+    )
+
+
+def _config_value(config: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    """``config[key]`` converted as the recipe's argparse flag would convert it (YAML reads
+    ``1e-3`` as a string, argparse's ``type=float`` accepts it)."""
+    value = config.get(key, default)
+    if value is None or isinstance(value, kind):
+        return value
+    try:
+        if kind is bool and isinstance(value, str):
+            lowered = value.lower()
+            if lowered not in ("true", "false", "yes", "no", "1", "0"):
+                raise ValueError(value)
+            return lowered in ("true", "yes", "1")
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise DataError(
+            f"{key}: {value!r} is not a valid {kind.__name__} (in the recipe config)"
+        ) from None
+
+
+def load_recipe_batch(
+    config: str | os.PathLike[str] | dict[str, Any], batch_size: int | None = None
+) -> RecipeBatch:
+    """The model, tokenizer and first training batch of a recipe config, without training.
+
+    ``config`` is a recipe YAML file (``configs/bert_offline.yaml``) or its values. The data is
+    loaded, checked and tokenized by the same functions the recipe calls, the tokenizer is the
+    one the recipe trains (or loads; the cache makes the two identical), and the model is built
+    as the recipe builds it, from the config's ``seed``. The batch holds the first
+    ``batch_size`` (default ``per_device_train_batch_size``) training examples, collated as the
+    recipe's Trainer collates them; the Trainer itself draws them shuffled. LoRA settings are
+    not applied: the batch and model describe the full model's numerics. Nothing is downloaded
+    for the offline configs; a hub config downloads what the recipe would.
+    """
+    if isinstance(config, dict):
+        values, source = dict(config), "the config"
+    else:
+        from amp_trainer.recipe_config import load_yaml_config
+
+        values, source = load_yaml_config(config), f"config file {str(config)!r}"
+    task = detect_recipe_task(values, source)
+    if batch_size is None:
+        batch_size = _config_value(values, "per_device_train_batch_size", int, 8)
+    if batch_size < 1:
+        raise DataError(f"batch size must be >= 1, got {batch_size}")
+    learning_rate = _config_value(values, "learning_rate", float, 5e-5)
+    if not learning_rate > 0:
+        raise DataError(f"learning_rate must be > 0, got {learning_rate}")
+    default_model = "tiny-bert" if task == CLASSIFICATION else "tiny-gpt2"
+    name = _config_value(values, "model_name_or_path", str, default_model)
+    if name in _TINY_TASK and _TINY_TASK[name] != task:
+        raise DataError(
+            f"model_name_or_path {name!r} is for the {_TINY_TASK[name]} recipe, but {source} "
+            f"is a {task} config"
+        )
+    build = _classification_batch if task == CLASSIFICATION else _causal_lm_batch
+    model, tokenizer, batch = build(values, name, batch_size)
+    return RecipeBatch(task, model, tokenizer, batch, learning_rate, values)
+
+
+def _seeded(values: dict[str, Any], make: Callable[[], Any]) -> Any:
+    """``make()`` under the config's seed (as the recipe's ``set_seed``), global RNG untouched."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_config_value(values, "seed", int, 42))
+        return make()
+
+
+def _classification_batch(
+    values: dict[str, Any], name: str, batch_size: int
+) -> tuple[Any, Any, dict[str, Any]]:
+    from datasets import DatasetDict
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        BertConfig,
+        BertForSequenceClassification,
+        DataCollatorWithPadding,
+    )
+
+    data = load_text_classification(
+        _config_value(values, "dataset_name", str, OFFLINE_DATASET),
+        _config_value(values, "dataset_config_name", str, None),
+        _config_value(values, "train_file", str, None),
+        _config_value(values, "validation_file", str, None),
+        _config_value(values, "text_column", str, None),
+        _config_value(values, "text_column_2", str, None),
+        _config_value(values, "label_column", str, "label"),
+    )
+    num_labels = _config_value(values, "num_labels", int, None)
+    if num_labels is not None:
+        check_num_labels(data, num_labels, "num_labels")
+    max_length = _config_value(values, "max_seq_length", int, 128)
+    limit = _config_value(values, "max_train_samples", int, None)
+    if limit is not None:  # before the tokenizer, which the recipe trains on the kept rows
+        train = data.datasets["train"]
+        data.datasets["train"] = train.select(range(min(limit, train.num_rows)))
+    if name in TINY_MODEL_CONFIGS:
+        texts = [t for c in data.text_columns for t in data.datasets["train"][c]]
+        vocab_size = _config_value(values, "tokenizer_vocab_size", int, 2000)
+        tokenizer = train_wordpiece_tokenizer(texts, vocab_size, max_length)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    rows = min(batch_size, data.datasets["train"].num_rows)
+    first = ClassificationData(
+        DatasetDict(
+            train=data.datasets["train"].select(range(rows)),
+            validation=data.datasets["validation"].select(range(1)),
+        ),
+        data.text_columns,
+        data.label_column,
+        data.label_list,
+    )
+    # The label ids of the full train split: a slice may miss some labels.
+    encoded = tokenize_classification(first, tokenizer, max_length, data.label_to_id)
+    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+    batch = dict(collate([encoded["train"][i] for i in range(rows)]))
+
+    id2label = {i: str(label) for i, label in enumerate(data.label_list)}
+    label2id = {label: i for i, label in id2label.items()}
+    labels = dict(num_labels=data.num_labels, id2label=id2label, label2id=label2id)
+    if name in TINY_MODEL_CONFIGS:
+        config = BertConfig(vocab_size=len(tokenizer), **labels, **TINY_MODEL_CONFIGS[name])
+        model = _seeded(values, lambda: BertForSequenceClassification(config))
+    else:
+        path = resolve_model_path(name)
+        config = AutoConfig.from_pretrained(path, **labels)
+        mismatched = _config_value(values, "ignore_mismatched_sizes", bool, False)
+        model = _seeded(
+            values,
+            lambda: AutoModelForSequenceClassification.from_pretrained(
+                path, config=config, ignore_mismatched_sizes=mismatched
+            ),
+        )
+    return model, tokenizer, batch
+
+
+def _causal_lm_batch(
+    values: dict[str, Any], name: str, batch_size: int
+) -> tuple[Any, Any, dict[str, Any]]:
+    from datasets import DatasetDict
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GPT2Config,
+        GPT2LMHeadModel,
+        default_data_collator,
+    )
+
+    corpus = load_lm_corpus(
+        _config_value(values, "dataset_name", str, OFFLINE_DATASET),
+        _config_value(values, "dataset_config_name", str, None),
+        _config_value(values, "train_file", str, None),
+        _config_value(values, "validation_file", str, None),
+        _config_value(values, "text_column", str, "text"),
+    )
+    if name in TINY_MODEL_CONFIGS:
+        vocab_size = _config_value(values, "tokenizer_vocab_size", int, 2000)
+        tokenizer = train_byte_level_bpe_tokenizer(corpus["train"]["text"], vocab_size)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    block_size = min(_config_value(values, "block_size", int, 128), tokenizer.model_max_length)
+    # Only train blocks are needed; chunking joins rows, so the whole split is tokenized.
+    blocks = tokenize_and_chunk(DatasetDict(train=corpus["train"]), tokenizer, block_size)["train"]
+    limit = _config_value(values, "max_train_samples", int, None)
+    rows = min(batch_size, blocks.num_rows, limit or batch_size)
+    batch = dict(default_data_collator([blocks[i] for i in range(rows)]))
+
+    if name in TINY_MODEL_CONFIGS:
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **{**TINY_MODEL_CONFIGS[name], "n_positions": block_size},
+        )
+        model = _seeded(values, lambda: GPT2LMHeadModel(config))
+    else:
+        path = resolve_model_path(name)
+        model = _seeded(values, lambda: AutoModelForCausalLM.from_pretrained(path))
+    return model, tokenizer, batch
