@@ -708,7 +708,7 @@ _RECIPE_SCRIPTS = {
 }
 
 #: The from-scratch sizes behind the recipes' ``model_name_or_path: tiny-bert`` / ``tiny-gpt2``
-#: (``TINY_CONFIGS`` in each recipe; tests/test_cli.py checks the two stay identical).
+#: (the recipes take their ``TINY_CONFIGS`` from here, as ``amp-trainer doctor`` does).
 TINY_MODEL_CONFIGS: dict[str, dict[str, int]] = {
     "tiny-bert": dict(
         hidden_size=64,

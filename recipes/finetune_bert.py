@@ -39,6 +39,7 @@ from transformers import (
 from amp_trainer import AmpTrainer, AmpTrainingArguments, export_fp16
 from amp_trainer.data import (
     OFFLINE_DATASET,
+    TINY_MODEL_CONFIGS,
     DataError,
     check_num_labels,
     load_text_classification,
@@ -59,16 +60,9 @@ logger = logging.getLogger("finetune_bert")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bert_offline.yaml"
 
-# From-scratch models, small enough for FP16 on two CPU cores (CPU FP16 matmuls are emulated).
-TINY_CONFIGS = {
-    "tiny-bert": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=256,
-        max_position_embeddings=128,
-    ),
-}
+# From-scratch models, small enough for FP16 on two CPU cores (CPU FP16 matmuls are emulated);
+# the sizes live in amp_trainer.data, which `amp-trainer doctor` builds them from too.
+TINY_CONFIGS = {"tiny-bert": TINY_MODEL_CONFIGS["tiny-bert"]}
 
 
 # The training arguments recorded in metrics.json next to the results they produced.

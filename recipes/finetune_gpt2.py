@@ -41,6 +41,7 @@ from transformers import (
 from amp_trainer import AmpTrainer, AmpTrainingArguments, export_fp16
 from amp_trainer.data import (
     OFFLINE_DATASET,
+    TINY_MODEL_CONFIGS,
     DataError,
     load_lm_corpus,
     resolve_model_path,
@@ -61,7 +62,7 @@ logger = logging.getLogger("finetune_gpt2")
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpt2_offline.yaml"
 
 # From-scratch models, small enough for FP16 on two CPU cores (CPU FP16 matmuls are emulated).
-TINY_CONFIGS = {"tiny-gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)}
+TINY_CONFIGS = {"tiny-gpt2": TINY_MODEL_CONFIGS["tiny-gpt2"]}
 
 
 # The training arguments recorded in metrics.json next to the results they produced.
