@@ -259,28 +259,45 @@ def is_norm_module(module: nn.Module) -> bool:
 
 
 class _Fp32Norm:
-    """The forward hooks that keep one norm layer in FP32; one instance per layer.
+    """Keeps one norm layer in FP32: a forward pre-hook, a forward hook and a ``forward``.
 
-    A top-level class rather than closures so that a model carrying it still pickles and
-    deep-copies. The pre-hook (1) restores FP32 parameters and buffers if something cast the
-    module since (``model.half()`` after :func:`keep_norms_in_fp32`), (2) upcasts floating inputs
-    to FP32 and (3) disables autocast for the module's forward; the post-hook (registered with
-    ``always_call=True``, so it runs even when forward raises) leaves the autocast-disabled
-    region and casts floating outputs back to the input's dtype, which is what the surrounding
-    half-precision code expects.
+    One instance per layer, a top-level class rather than closures so that a model carrying it
+    still pickles and deep-copies (the reference to its layer follows the copy).
+
+    In eager mode the hooks do the work, as a region around the whole call: the pre-hook (1)
+    restores FP32 parameters and buffers if something cast the layer since (``model.half()``
+    after :func:`keep_norms_in_fp32`), (2) upcasts floating inputs to FP32 and (3) disables
+    autocast; the post-hook (``always_call=True``, so it runs even when forward raises) leaves
+    the autocast-disabled region and casts floating outputs back to the input's dtype, which is
+    what the surrounding half-precision code expects. Hooks registered after these see what the
+    layer computes on: FP32 inputs, autocast off.
+
+    torch.compile cannot trace that region: dynamo fails on an autocast context entered in one
+    hook and left in another (``'autocast' object has no attribute 'prev'`` in torch 2.13). So
+    the layer's ``forward`` is replaced (an instance attribute; the class's method is untouched)
+    by :meth:`__call__`, which does the same upcast / autocast-off / cast-back inside one
+    ``with`` block, which dynamo traces. While dynamo traces, the hooks only restore FP32
+    parameters and leave the rest to it; in eager mode it finds FP32 inputs and autocast already
+    off, and just calls the original forward.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, module: nn.Module, forward: Any = None) -> None:
+        self.module = module
+        # The forward this one wraps when it is not the class's own (another library's wrapper
+        # set as an instance attribute); None means type(module).forward, looked up at call time
+        # so that no bound method of the layer has to be pickled.
+        self.forward = forward
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}  # the per-call stack is runtime state; thread-locals don't pickle
+        # The per-call stack is runtime state; thread-locals don't pickle.
+        return {"module": self.module, "forward": self.forward}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # .get: a model pickled before the forward existed carries hooks-only state ({}).
+        self.module = state.get("module")
+        self.forward = state.get("forward")
         self._local = threading.local()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Fp32Norm:
-        return _Fp32Norm()
 
     def _stack(self) -> list[tuple[contextlib.AbstractContextManager[Any] | None, Any]]:
         stack = getattr(self._local, "stack", None)
@@ -290,8 +307,10 @@ class _Fp32Norm:
 
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         _to_fp32_in_place(module)
+        if torch.compiler.is_dynamo_compiling():
+            return None  # __call__ does the rest inside one traceable `with` block
         input_dtype = _first_float_dtype(args, kwargs)
         device = _first_float_device(args, kwargs)
         ctx: contextlib.AbstractContextManager[Any] | None = None
@@ -302,6 +321,8 @@ class _Fp32Norm:
         return _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
 
     def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            return None
         stack = self._stack()
         if not stack:  # a pre-hook before ours raised: ours never ran
             return None
@@ -311,6 +332,46 @@ class _Fp32Norm:
         if output is None or input_dtype is None or input_dtype == torch.float32:
             return None
         return _cast_floats(output, input_dtype)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The layer's forward in FP32 with autocast off, output in the input's dtype.
+
+        Self-sufficient, so the layer is FP32 whichever hooks ran: in eager mode the pre-hook has
+        already upcast the inputs and disabled autocast, and this only calls the original forward.
+        """
+        input_dtype = _first_float_dtype(args, kwargs)
+        device = _first_float_device(args, kwargs)
+        args, kwargs = _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
+        if (
+            device is not None
+            and _autocast_available(device.type)
+            and torch.is_autocast_enabled(device.type)
+        ):
+            with torch.autocast(device_type=device.type, enabled=False):
+                output = self._forward(args, kwargs)
+        else:
+            output = self._forward(args, kwargs)
+        if output is None or input_dtype is None or input_dtype == torch.float32:
+            return output
+        return _cast_floats(output, input_dtype)
+
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.forward is None:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self.forward(*args, **kwargs)
+
+
+def _install_fp32_norm(module: nn.Module) -> None:
+    current = module.__dict__.get("forward")
+    if getattr(current, "__self__", None) is module and getattr(
+        current, "__func__", None
+    ) is getattr(type(module), "forward", None):
+        current = None  # a bound copy of the class's own forward: nothing to keep
+    hooks = _Fp32Norm(module, current)
+    module.forward = hooks
+    module.register_forward_pre_hook(hooks.pre_forward, with_kwargs=True)
+    module.register_forward_hook(hooks.post_forward, always_call=True)
+    module.register_state_dict_pre_hook(_state_dict_pre_hook)
 
 
 def _first_float_dtype(*values: Any) -> torch.dtype | None:
@@ -390,8 +451,10 @@ def keep_norms_in_fp32(model: nn.Module) -> list[str]:
     Each norm layer (see :func:`is_norm_module`) gets its parameters and buffers cast to FP32 now
     and a pair of forward hooks that, on every call, re-cast them if something halved them since,
     upcast the inputs, run the layer with autocast disabled and cast the output back to the
-    input's dtype. So it holds inside ``torch.autocast``, after ``model.half()`` (called before or
-    after this function) and in a model exported to FP16.
+    input's dtype. Its ``forward`` becomes an instance attribute that does the same inside one
+    ``with`` block, the form ``torch.compile`` can trace. So it holds inside ``torch.autocast``,
+    after ``model.half()`` (called before or after this function), under ``torch.compile`` and in
+    a model exported to FP16 (TorchScript, ONNX).
 
     Idempotent: a layer handled by an earlier call (or carried over by ``copy.deepcopy`` or
     pickling) gets no second set of hooks; its parameters are re-cast to FP32 now. Parameter
@@ -415,10 +478,7 @@ def keep_norms_in_fp32(model: nn.Module) -> list[str]:
         _to_fp32_in_place(module)
         if _has_fp32_hooks(module):
             continue
-        hooks = _Fp32Norm()
-        module.register_forward_pre_hook(hooks.pre_forward, with_kwargs=True)
-        module.register_forward_hook(hooks.post_forward, always_call=True)
-        module.register_state_dict_pre_hook(_state_dict_pre_hook)
+        _install_fp32_norm(module)
         added += 1
     if added:
         logger.debug("Kept %d new normalisation layer(s) in fp32 (%d in all)", added, len(covered))

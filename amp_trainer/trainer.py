@@ -319,19 +319,6 @@ class AmpTrainer(Trainer):
 
         super().create_accelerator_and_postprocess()
         self.precision = _precision_of(self.args)
-        if (
-            self.args.torch_compile
-            and self.precision != "fp32"
-            and getattr(self.args, "keep_norms_fp32", True)
-        ):
-            # keep_norms_in_fp32's hooks enter autocast(enabled=False) in a forward pre-hook and
-            # leave it in the forward hook; torch 2.13's dynamo cannot trace that split and fails
-            # at the first step ("'autocast' object has no attribute 'prev'"). Say so up front.
-            raise ValueError(
-                "torch_compile=True cannot be combined with keep_norms_fp32=True under "
-                f"{self.precision}: the FP32-norm hooks are not traceable by torch.compile. Pass "
-                "keep_norms_fp32=False or turn torch_compile off."
-            )
         if self._requested_scaler is not None and self.precision != "fp16":
             raise ValueError(
                 f"A loss_scaler was passed but the run is {self.precision}, which uses no loss "

@@ -279,6 +279,23 @@ def test_autocast_is_restored_when_a_norm_forward_raises():
         assert torch.is_autocast_enabled("cpu")
 
 
+def test_compiled_model_runs_its_norm_in_fp32_under_fp16_autocast_and_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), T5StyleLayerNorm(8), nn.Linear(8, 2))
+    keep_norms_in_fp32(model)
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = model(x)
+    # aot_eager: dynamo + AOTAutograd without inductor's C++ build; fullgraph: no graph break.
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = compiled(x)
+        assert torch.is_autocast_enabled("cpu")
+    assert model[1].seen == [(torch.float32, False)] * 2  # eager call, then the traced one
+    assert out.dtype == torch.float16
+    assert torch.equal(out, expected)
+
+
 def test_batchnorm_in_a_half_model_keeps_fp32_running_stats_and_updates_them():
     model = nn.Sequential(nn.Conv1d(3, 4, 1), nn.BatchNorm1d(4))
     keep_norms_in_fp32(model)
