@@ -684,6 +684,7 @@ class DynamicLossScaler:
             "growths": self._growths,
             "backoffs": self._backoffs,
             "overflow_streak": self._overflow_streak,
+            "last_overflow_params": list(self._last_overflow_params),
             "version": _STATE_VERSION,
         }
 
@@ -748,6 +749,12 @@ class DynamicLossScaler:
                 f"got {hysteresis_tracker}"
             )
 
+        names = state_dict.get("last_overflow_params", [])
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise TypeError(
+                f"scaler state 'last_overflow_params' must be a list of str, got {names!r}"
+            )
+
         # Validate on a scratch instance so that a bad value leaves self untouched.
         probe = DynamicLossScaler.__new__(DynamicLossScaler)
         probe._configure(**cfg)
@@ -766,6 +773,7 @@ class DynamicLossScaler:
         self._growths = counters["growths"]
         self._backoffs = counters["backoffs"]
         self._overflow_streak = counters["overflow_streak"]
+        self._last_overflow_params = tuple(names)
         self._per_optimizer.clear()
         self._device_cache.clear()
 

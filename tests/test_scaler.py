@@ -465,6 +465,7 @@ def test_loads_torch_grad_scaler_state_dict():
         ({"scale": 8.0, "_growth_tracker": 0, "on_min_scale": "explode"}, "on_min_scale"),
         ({"scale": 8.0, "_growth_tracker": 5, "growth_interval": 5}, "_growth_tracker"),
         ({"scale": 8.0, "_growth_tracker": 0, "steps": 1.5}, "steps"),
+        ({"scale": 8.0, "_growth_tracker": 0, "last_overflow_params": "w"}, "last_overflow"),
     ],
 )
 def test_malformed_state_dict_raises_and_leaves_scaler_unchanged(bad, match):
