@@ -427,7 +427,7 @@ def part_export(args: argparse.Namespace) -> None:
                 )
         result: dict[str, Any] = {"seq": seq, "latency": latency}
         if importlib.util.find_spec("amp_trainer.export") is not None:
-            result["export_fp16"] = _try_export_fp16(model.cpu())
+            result["export_fp16"] = _try_export_fp16(model)  # parity on the GPU too
         record["result"] = result
 
 
