@@ -311,13 +311,22 @@ class _Fp32Norm:
         _to_fp32_in_place(module)
         if torch.compiler.is_dynamo_compiling():
             return None  # __call__ does the rest inside one traceable `with` block
-        input_dtype = _first_float_dtype(args, kwargs)
-        device = _first_float_device(args, kwargs)
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            # The common case (one hidden-states tensor), without walking nested containers.
+            first = args[0]
+            is_float = first.is_floating_point()
+            input_dtype = first.dtype if is_float else None
+            device = first.device if is_float else None
+        else:
+            input_dtype = _first_float_dtype(args, kwargs)
+            device = _first_float_device(args, kwargs)
         ctx: contextlib.AbstractContextManager[Any] | None = None
         if device is not None and _autocast_available(device.type):
             ctx = torch.autocast(device_type=device.type, enabled=False)
             ctx.__enter__()
         self._stack().append((ctx, input_dtype))
+        if not kwargs and len(args) == 1 and input_dtype is not None:
+            return (args[0].float(),), kwargs
         return _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
 
     def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -339,6 +348,9 @@ class _Fp32Norm:
         Self-sufficient, so the layer is FP32 whichever hooks ran: in eager mode the pre-hook has
         already upcast the inputs and disabled autocast, and this only calls the original forward.
         """
+        if getattr(self._local, "stack", None) and not torch.compiler.is_dynamo_compiling():
+            # Eager mode, inside the hooks' region: inputs are FP32 and autocast is off already.
+            return self._forward(args, kwargs)
         input_dtype = _first_float_dtype(args, kwargs)
         device = _first_float_device(args, kwargs)
         args, kwargs = _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
@@ -417,6 +429,12 @@ def _to_fp32_in_place(module: nn.Module) -> bool:
     ``param.data = ...`` is what ``module.half()`` itself does, so an optimizer that already holds
     the parameter keeps updating the same object. Returns whether anything changed.
     """
+    # Fast path, taken on every forward: nothing to do once the layer is FP32 (the usual case).
+    if all(
+        t is None or not t.is_floating_point() or t.dtype == torch.float32
+        for t in (*module._parameters.values(), *module._buffers.values())
+    ):
+        return False
     changed = False
     with torch.no_grad():
         for param in module.parameters(recurse=False):
