@@ -38,6 +38,25 @@ def python_executable() -> str:
     return sys.executable
 
 
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide singletons (no-op until a test imported accelerate)."""
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state(monkeypatch):
+    """Accelerate's state is a process singleton: every test starts and ends without one, and
+    without a launcher's ACCELERATE_MIXED_PRECISION leaking in from the shell."""
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    reset_accelerate_state()
+    yield
+    reset_accelerate_state()
+
+
 def make_tiny_bert(num_labels: int = 2, vocab_size: int = 128, seed: int = 0, **overrides):
     """A 2-layer, 32-wide BERT classifier: small enough for CPU fp16, real enough to overflow."""
     from transformers import BertConfig, BertForSequenceClassification

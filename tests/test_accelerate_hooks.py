@@ -10,7 +10,6 @@ import warnings
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import GradScalerKwargs
 
 from amp_trainer import precision
@@ -18,17 +17,6 @@ from amp_trainer.accelerate_hooks import AmpAccelerator, deepspeed_fp16_config, 
 from amp_trainer.precision import keep_norms_in_fp32
 from amp_trainer.scaler import DynamicLossScaler
 from tests.conftest import REPO_ROOT, make_tiny_bert, make_tiny_gpt2, subprocess_env
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state(monkeypatch):
-    """Accelerate's state is a process-wide singleton: start and end every test without one."""
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(autouse=True)

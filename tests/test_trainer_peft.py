@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from conftest import make_tiny_bert, make_tiny_gpt2
 from peft import LoraConfig, TaskType, get_peft_model
@@ -12,37 +11,17 @@ from test_trainer_support import (
     InjectOverflow,
     ToyClassification,
     ToyLanguageModeling,
-    reset_accelerate_state,
+    amp_args,
     train_logs,
 )
 from torch import nn
 from transformers import TrainerCallback
 
-from amp_trainer import AmpTrainer, AmpTrainingArguments
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    reset_accelerate_state()
-    yield
-    reset_accelerate_state()
+from amp_trainer import AmpTrainer
 
 
 def _args(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        precision="fp16",
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return AmpTrainingArguments(**kwargs)
+    return amp_args(tmp_path, **{"learning_rate": 1e-2, **overrides})
 
 
 def _lora_gpt2_on_fp16_base():

@@ -17,19 +17,11 @@ from test_trainer_support import (
     RecordSkipFlags,
     ToyClassification,
     force_stock_native_fp16,
-    reset_accelerate_state,
     train_logs,
 )
 from transformers import Trainer, TrainingArguments
 
 from amp_trainer.trainer import AmpTrainer, AmpTrainingArguments, _forward_consumes_num_items
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    reset_accelerate_state()
-    yield
-    reset_accelerate_state()
 
 
 def _args(cls, tmp_path, **overrides):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_bert
+from conftest import make_tiny_bert, reset_accelerate_state
 from test_trainer_support import (
     InjectOverflow,
     ToyClassification,
-    reset_accelerate_state,
     train_logs,
 )
 
@@ -20,13 +19,6 @@ CHECKPOINT_STEP = 3
 # throughout (see the first test) and a scaler restored from anything but its exact state (scale,
 # growth tracker, counters) logs differently after the checkpoint.
 OVERFLOW_STEPS = {2, 6}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    reset_accelerate_state()
-    yield
-    reset_accelerate_state()
 
 
 def _trainer(output_dir):

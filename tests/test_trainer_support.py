@@ -10,14 +10,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from transformers import Trainer, TrainerCallback
 
+from amp_trainer import AmpTrainingArguments
 
-def reset_accelerate_state() -> None:
-    """Accelerate's state is a process singleton: each test file calls this around every test."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+
+def amp_args(tmp_path, **overrides) -> AmpTrainingArguments:
+    """Tiny-run AmpTrainingArguments (CPU, real fp16, 4 steps, no saving); overrides win."""
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        precision="fp16",
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return AmpTrainingArguments(**kwargs)
 
 
 class ToyClassification(torch.utils.data.Dataset):
