@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from amp_trainer.atomic_files import write_json_atomic
 from amp_trainer.data import OFFLINE_MINILM, TINY_MODEL_CONFIGS
 
 __all__ = ["build_parser", "main"]
@@ -233,9 +233,7 @@ def _write_json_atomic(path: str, data: Any) -> None:
     target = Path(path)
     if not target.parent.is_dir():
         raise UsageError(f"{path}: directory {target.parent} does not exist")
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
+    write_json_atomic(target, data)
 
 
 def _load_texts(path: str, limit: int) -> tuple[list[str], list[Any] | None]:

@@ -32,11 +32,12 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from amp_trainer.atomic_files import write_text_atomic
 
 if TYPE_CHECKING:  # pragma: no cover - imported lazily: `datasets` and `transformers` are heavy
     from datasets import DatasetDict
@@ -146,23 +147,6 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "amp-trainer"
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename.
-
-    Several processes (``accelerate launch`` ranks) may build the same cache entry at once; each
-    rename is atomic, so a reader sees either nothing or a complete file, never a torn one.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,7 +287,7 @@ def _cached_tokenizer(
         return tokenizers.Tokenizer.from_file(str(path))
     logger.info("Training a %s tokenizer on %d texts (cached at %s)", kind, len(texts), path)
     tokenizer = build(texts)
-    _write_text_atomic(path, tokenizer.to_str())
+    write_text_atomic(path, tokenizer.to_str())
     return tokenizer
 
 

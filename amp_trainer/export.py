@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.doctor import FP16_MAX, OverflowProbe
 
 __all__ = [
@@ -637,12 +638,6 @@ def _fp32_bytes(model: nn.Module) -> int:
     return total
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _install(staging: Path, target: Path) -> None:
     """Move the finished staging folder to ``target``, replacing an existing one last."""
     if target.exists():
@@ -840,8 +835,8 @@ def export_fp16(
             report.files = sorted(
                 [p.name for p in staging.iterdir()] + ["report.json", "report.md"]
             )
-            _write_text_atomic(staging / "report.json", report.to_json())
-            _write_text_atomic(staging / "report.md", report.to_markdown())
+            write_text_atomic(staging / "report.json", report.to_json())
+            write_text_atomic(staging / "report.md", report.to_markdown())
             _install(staging, target)
             logger.info("FP16 export written to %s", target)
         else:

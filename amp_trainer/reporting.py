@@ -9,12 +9,9 @@ throughput, the wall time and the peak memory.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,46 +19,17 @@ from typing import Any
 
 import torch
 
+from amp_trainer.atomic_files import atomic_path
+
 __all__ = [
     "LossScaleSummary",
     "format_table",
     "peak_memory",
     "plot_training",
     "summarize_loss_scale",
-    "write_json_atomic",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
-    """Write ``data`` as indented JSON via a temporary file in the same folder and a rename.
-
-    Non-finite floats are written as ``null`` rather than the non-standard ``NaN``/``Infinity``
-    that :func:`json.dumps` emits by default and strict parsers reject.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_finite_or_none(data), indent=2, sort_keys=True) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {str(k): _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)
@@ -165,15 +133,8 @@ def plot_training(
     scale_ax.grid(alpha=0.3)
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         figure.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -37,6 +37,7 @@ from transformers import (
 )
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments, export_fp16
+from amp_trainer.atomic_files import write_json_atomic
 from amp_trainer.data import (
     OFFLINE_DATASET,
     TINY_MODEL_CONFIGS,
@@ -53,7 +54,6 @@ from amp_trainer.reporting import (
     peak_memory,
     plot_training,
     summarize_loss_scale,
-    write_json_atomic,
 )
 
 logger = logging.getLogger("finetune_bert")

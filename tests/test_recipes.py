@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from transformers import HfArgumentParser
 
+from amp_trainer.atomic_files import write_json_atomic
 from amp_trainer.recipe_config import parse_args_with_config
 from amp_trainer.reporting import (
     format_table,
     plot_training,
     summarize_loss_scale,
-    write_json_atomic,
 )
 from tests.conftest import REPO_ROOT, subprocess_env
 

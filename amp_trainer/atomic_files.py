@@ -1,0 +1,69 @@
+"""Write files so that a reader sees either the old file or the whole new one, never a torn one.
+
+Every file the library leaves behind (cached tokenizers, metrics.json, reports, plots) goes
+through here: the content is written to a temporary file in the target's own folder (same file
+system, so the rename is atomic) and renamed over the target; on any failure the temporary file
+is removed. ``accelerate launch`` ranks that build the same cache entry at once are safe too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["atomic_path", "write_json_atomic", "write_text_atomic"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success it is renamed to ``path``.
+
+    For writers that want a file name rather than text (``figure.savefig(tmp)``).
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        # mkstemp makes the file private (0600); results are meant to be shared like any file.
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically; returns the path."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_json_atomic(
+    path: str | os.PathLike[str], data: Any, *, default: Callable[[Any], Any] | None = None
+) -> Path:
+    """Write ``data`` as indented JSON atomically.
+
+    Non-finite floats become ``null`` rather than the non-standard ``NaN``/``Infinity`` that
+    :func:`json.dumps` emits by default and strict parsers reject.
+    """
+    text = json.dumps(_finite_or_none(data), indent=2, sort_keys=True, default=default)
+    return write_text_atomic(path, text + "\n")
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(key): _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value
