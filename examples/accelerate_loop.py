@@ -99,6 +99,7 @@ def main() -> None:
         f"done: {stats.steps} steps, {stats.skipped} skipped, {stats.backoffs} backoffs, "
         f"{stats.growths} growths, final loss scale {stats.scale:g}"
     )
+    accelerator.end_training()  # leaves the process group cleanly under `accelerate launch`
 
 
 if __name__ == "__main__":

@@ -283,6 +283,9 @@ def main(argv: list[str]) -> None:
     eval_metrics = trainer.evaluate()
     trainer.save_model()  # the final model (LoRA: the adapter) and the tokenizer
     if not trainer.is_world_process_zero():
+        # Leave the process group before exiting: a rank that just returned while gloo's threads
+        # were alive was seen to abort ("terminate called without an active exception").
+        trainer.accelerator.end_training()
         return
 
     # ---- artifacts: metrics.json, training.png, FP16 export with its parity report
@@ -347,6 +350,7 @@ def main(argv: list[str]) -> None:
         ("plot", str(plot) if plot else None),
     ]
     print(format_table(rows, title=f"finetune_bert: {model_args.model_name_or_path}"))
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -267,6 +267,9 @@ def main(argv: list[str]) -> None:
     eval_metrics = trainer.evaluate()
     trainer.save_model()  # the final model (LoRA: the adapter) and the tokenizer
     if not trainer.is_world_process_zero():
+        # Leave the process group before exiting: a rank that just returned while gloo's threads
+        # were alive was seen to abort ("terminate called without an active exception").
+        trainer.accelerator.end_training()
         return
     sample_after = greedy_sample(
         trainer.model, tokenizer, data_args.prompt, data_args.sample_tokens
@@ -341,6 +344,7 @@ def main(argv: list[str]) -> None:
         ("plot", str(plot) if plot else None),
     ]
     print(format_table(rows, title=f"finetune_gpt2: {model_args.model_name_or_path}"))
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
