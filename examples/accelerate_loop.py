@@ -5,7 +5,8 @@ plus loss scaling (plain Accelerate silently trains in fp32 there), just slower.
 from a config, random token data, nothing downloaded.
 
     python examples/accelerate_loop.py --steps 50
-    accelerate launch --cpu --num_processes 2 examples/accelerate_loop.py --steps 50
+    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml \
+        examples/accelerate_loop.py --steps 50 --cpu      # two CPU processes on gloo
 """
 
 from __future__ import annotations
@@ -32,11 +33,17 @@ def main() -> None:
         default=3,
         help="write an inf into one gradient at this step (-1: never)",
     )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run on the CPU even under a GPU-style launcher (the 2-process CPU config)",
+    )
     args = parser.parse_args()
 
     # fp16 everywhere; our DynamicLossScaler replaces torch's GradScaler (knobs as keyword args).
     accelerator = AmpAccelerator(
         mixed_precision="fp16",
+        cpu=args.cpu,
         gradient_accumulation_steps=args.grad_accum,
         loss_scaler={"init_scale": 2.0**16, "growth_interval": 20, "hysteresis": 1},
     )
@@ -76,7 +83,7 @@ def main() -> None:
             accelerator.backward(loss)  # scaled by S
             if accelerator.sync_gradients:
                 if step + 1 == args.inject_overflow_at:  # demo: what an fp16 overflow looks like
-                    model.lm_head.weight.grad[0, 0] = float("inf")
+                    accelerator.unwrap_model(model).lm_head.weight.grad[0, 0] = float("inf")
                 # Unscales (once) and clips the true gradients; inf on an overflow step.
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()  # skipped entirely on inf/NaN gradients
@@ -95,6 +102,7 @@ def main() -> None:
                 break
 
     stats = scaler.stats
+    accelerator.print(f"processes: {accelerator.num_processes}")
     accelerator.print(
         f"done: {stats.steps} steps, {stats.skipped} skipped, {stats.backoffs} backoffs, "
         f"{stats.growths} growths, final loss scale {stats.scale:g}"
