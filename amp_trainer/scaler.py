@@ -358,11 +358,16 @@ class DynamicLossScaler:
                     located.append((self._grad_values(param), self._label(param, g, i)))
         if not located:
             return ()
-        # One stacked check and one sync for all of them, not one .item() per tensor.
+        # One stacked check and one read-back per device, not one sync per tensor.
+        finite: dict[int, bool] = {}
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for index, (values, _) in enumerate(located):
+            by_device[values.device].append(index)
         with torch.no_grad():
-            finite = [torch.isfinite(v).all().to("cpu") for v, _ in located]
-            flags = torch.stack(finite).tolist()
-        return tuple(label for (_, label), ok in zip(located, flags) if not ok)
+            for indices in by_device.values():
+                checks = torch.stack([torch.isfinite(located[i][0]).all() for i in indices])
+                finite.update(zip(indices, checks.tolist()))
+        return tuple(label for i, (_, label) in enumerate(located) if not finite[i])
 
     # ----------------------------------------------------------------------------------------
     # the step protocol

@@ -584,3 +584,24 @@ def test_accelerate_fsdp2_load_path_can_initialise_the_scaler_after_loading():
     scaler._lazy_init_scale_growth_tracker(scaler._device)
     assert scaler._device == "cpu" and scaler.get_scale() == 256.0
     assert scaler.scale(torch.tensor(1.0)).item() == 256.0
+
+
+def test_overflow_attribution_reads_back_once_per_device_not_once_per_tensor(monkeypatch):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler("cpu").watch(model)
+    _backward(model, scaler, poison=math.inf)
+    syncs: list[str] = []
+    for method in ("item", "tolist", "__bool__", "__float__", "cpu"):
+        original = getattr(torch.Tensor, method)
+
+        def spy(self, *args, _original=original, _name=method, **kwargs):
+            syncs.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, spy)
+    scaler.step(opt)
+    scaler.update()
+    monkeypatch.undo()
+    assert syncs == ["item", "tolist"]  # the skip decision, then the names (six tensors)
+    assert scaler.stats.last_overflow_params == ("0.weight",)
