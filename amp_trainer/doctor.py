@@ -32,13 +32,15 @@ import copy
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
+
+from amp_trainer.precision import _iter_tensors  # one walker over nested batches
 
 __all__ = [
     "FP16_MAX",
@@ -75,17 +77,6 @@ class Verdict(str, Enum):
 # --------------------------------------------------------------------------------------------
 # the probe
 # --------------------------------------------------------------------------------------------
-def _iter_tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _iter_tensors(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _iter_tensors(item)
-
-
 def all_finite(value: Any, limit: float = math.inf) -> bool:
     """Whether every floating tensor in ``value`` is finite and (if ``limit``) ``|x| <= limit``."""
     for tensor in _iter_tensors(value):

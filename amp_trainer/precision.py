@@ -34,7 +34,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -406,7 +406,7 @@ def _iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _iter_tensors(item)
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):  # dicts, and transformers' BatchEncoding (a UserDict)
         for item in value.values():
             yield from _iter_tensors(item)
 
