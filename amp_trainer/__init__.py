@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpAccelerator",
     "AmpTrainer",
+    "AmpTrainerMixin",
     "AmpTrainingArguments",
     "DynamicLossScaler",
     "export_fp16",
@@ -28,6 +29,7 @@ _WHERE = {
     "AmpAccelerator": "amp_trainer.accelerate_hooks",
     "install_scaler": "amp_trainer.accelerate_hooks",
     "AmpTrainer": "amp_trainer.trainer",
+    "AmpTrainerMixin": "amp_trainer.trainer",
     "AmpTrainingArguments": "amp_trainer.trainer",
     "export_fp16": "amp_trainer.export",
 }
@@ -37,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.export import export_fp16
     from amp_trainer.precision import keep_norms_in_fp32
     from amp_trainer.scaler import DynamicLossScaler
-    from amp_trainer.trainer import AmpTrainer, AmpTrainingArguments
+    from amp_trainer.trainer import AmpTrainer, AmpTrainerMixin, AmpTrainingArguments
 
 
 def __getattr__(name: str) -> Any:

@@ -59,7 +59,7 @@ from amp_trainer.precision import (
 )
 from amp_trainer.scaler import DynamicLossScaler
 
-__all__ = ["AmpTrainer", "AmpTrainingArguments"]
+__all__ = ["AmpTrainer", "AmpTrainerMixin", "AmpTrainingArguments"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class _LossScaleMonitor(TrainerCallback):
     floats per step: the skip verdict is the one the scaler already synced to the host.
     """
 
-    def __init__(self, trainer: AmpTrainer) -> None:
+    def __init__(self, trainer: AmpTrainerMixin) -> None:
         self._trainer = trainer
         self._scale_before_step = 1.0
 
@@ -272,9 +272,10 @@ class _LossScaleMonitor(TrainerCallback):
             )
 
 
-class AmpTrainer(Trainer):
-    """:class:`transformers.Trainer` with amp-trainer's loss scaler and precision policy.
+class AmpTrainerMixin:
+    """All of :class:`AmpTrainer`'s behaviour, for any :class:`transformers.Trainer` subclass.
 
+    Mix it in ahead of the Trainer class: ``class MyTrainer(AmpTrainerMixin, Seq2SeqTrainer)``.
     Use it exactly like ``Trainer``; pass :class:`AmpTrainingArguments` for the scaler knobs (a
     plain ``TrainingArguments`` works too, with the scaler's defaults). ``loss_scaler`` replaces
     the scaler built from the arguments, e.g. to share one across trainers or to set
@@ -376,3 +377,10 @@ class AmpTrainer(Trainer):
             logs["skipped_steps"] = self.loss_scaler.stats.skipped
             logs["step_skipped"] = int(self._last_step_skipped)
         super().log(logs, start_time)
+
+
+class AmpTrainer(AmpTrainerMixin, Trainer):
+    """:class:`transformers.Trainer` with amp-trainer's loss scaler and precision policy.
+
+    Everything lives in :class:`AmpTrainerMixin`; this is the mixin on stock ``Trainer``.
+    """
