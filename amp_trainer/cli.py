@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.data import OFFLINE_MINILM, TINY_MODEL_CONFIGS
+from amp_trainer.recipe_models import OFFLINE_MINILM, TINY_MODEL_CONFIGS
 
 __all__ = ["build_parser", "main"]
 
@@ -215,7 +215,7 @@ def _check_model_arg(name: str) -> str:
             "recipe and pass the recipe's output_dir"
         )
     if name == OFFLINE_MINILM:
-        from amp_trainer.data import resolve_model_path
+        from amp_trainer.recipe_models import resolve_model_path
 
         return resolve_model_path(name)  # DataError (one line) without the offline extra
     path = Path(name).expanduser()
@@ -327,8 +327,8 @@ def _doctor_batch(model: Any, tokenizer: Any, texts: Sequence[str] | None, label
 
 def _recipe_batch(args: argparse.Namespace) -> tuple[Any, dict, float]:
     """Model, batch and lr of a recipe config (``--config``; or ``--model tiny-bert``: the
-    recipe's built-in defaults), built by :func:`amp_trainer.data.load_recipe_batch`."""
-    from amp_trainer.data import load_recipe_batch
+    recipe's built-in defaults), built by :func:`amp_trainer.recipe_models.load_recipe_batch`."""
+    from amp_trainer.recipe_models import load_recipe_batch
 
     if args.texts or args.data:
         option = "--texts" if args.texts else "--data"

@@ -26,29 +26,24 @@ from pathlib import Path
 
 import numpy as np
 import transformers
-from transformers import (
-    AutoConfig,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    BertConfig,
-    BertForSequenceClassification,
-    DataCollatorWithPadding,
-    HfArgumentParser,
-)
+from transformers import DataCollatorWithPadding, HfArgumentParser
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
 from amp_trainer.data import (
     OFFLINE_DATASET,
-    TINY_MODEL_CONFIGS,
     DataError,
-    check_num_labels,
     load_text_classification,
-    resolve_model_path,
     tokenize_classification,
-    train_wordpiece_tokenizer,
 )
 from amp_trainer.recipe_config import parse_args_with_config
+from amp_trainer.recipe_models import (
+    CLASSIFICATION,
+    apply_lora,
+    build_classifier,
+    check_labels_against_model,
+    classification_tokenizer,
+)
 from amp_trainer.reporting import (
     format_table,
     peak_memory,
@@ -59,10 +54,6 @@ from amp_trainer.reporting import (
 logger = logging.getLogger("finetune_bert")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "bert_offline.yaml"
-
-# From-scratch models, small enough for FP16 on two CPU cores (CPU FP16 matmuls are emulated);
-# the sizes live in amp_trainer.data, which `amp-trainer doctor` builds them from too.
-TINY_CONFIGS = {"tiny-bert": TINY_MODEL_CONFIGS["tiny-bert"]}
 
 
 # The training arguments recorded in metrics.json next to the results they produced.
@@ -140,41 +131,6 @@ class DataArguments:
     )
 
 
-def build_model(model_args: ModelArguments, data, vocab_size: int | None):
-    """The classifier: from a named tiny config, or from_pretrained with a fresh head."""
-    id2label = {i: str(label) for i, label in enumerate(data.label_list)}
-    label2id = {name: i for i, name in id2label.items()}
-    if model_args.model_name_or_path in TINY_CONFIGS:
-        config = BertConfig(
-            vocab_size=vocab_size,
-            num_labels=data.num_labels,
-            id2label=id2label,
-            label2id=label2id,
-            **TINY_CONFIGS[model_args.model_name_or_path],
-        )
-        return BertForSequenceClassification(config)
-    path = resolve_model_path(model_args.model_name_or_path)
-    config = AutoConfig.from_pretrained(
-        path, num_labels=data.num_labels, id2label=id2label, label2id=label2id
-    )
-    return AutoModelForSequenceClassification.from_pretrained(
-        path, config=config, ignore_mismatched_sizes=model_args.ignore_mismatched_sizes
-    )
-
-
-def check_labels_against_model(model_args: ModelArguments, data) -> None:
-    """Label set vs model, before loading weights: --num_labels, or a classifier checkpoint."""
-    if model_args.num_labels is not None:
-        check_num_labels(data, model_args.num_labels, "--num_labels")
-    if model_args.model_name_or_path in TINY_CONFIGS or model_args.ignore_mismatched_sizes:
-        return
-    config = AutoConfig.from_pretrained(resolve_model_path(model_args.model_name_or_path))
-    is_classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
-    if is_classifier:
-        where = f"the classifier checkpoint {model_args.model_name_or_path!r}"
-        check_num_labels(data, config.num_labels, where)
-
-
 def compute_metrics(eval_pred) -> dict[str, float]:
     """Accuracy, plus F1 of class 1 for binary tasks (computed here: no `evaluate` download)."""
     logits, labels = eval_pred
@@ -222,7 +178,12 @@ def main(argv: list[str]) -> None:
         data_args.text_column_2,
         data_args.label_column,
     )
-    check_labels_against_model(model_args, data)
+    check_labels_against_model(
+        model_args.model_name_or_path,
+        data,
+        model_args.num_labels,
+        model_args.ignore_mismatched_sizes,
+    )
     limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
     for split, limit in limits.items():
         if limit is not None:
@@ -241,30 +202,26 @@ def main(argv: list[str]) -> None:
 
     # ---- tokenizer (trained on the train split for from-scratch models; rank 0 first: cache)
     with training_args.main_process_first(desc="tokenizer"):
-        if model_args.model_name_or_path in TINY_CONFIGS:
-            texts = [t for c in data.text_columns for t in data.datasets["train"][c]]
-            tokenizer = train_wordpiece_tokenizer(
-                texts, model_args.tokenizer_vocab_size, data_args.max_seq_length
-            )
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(
-                resolve_model_path(model_args.model_name_or_path)
-            )
+        texts = [t for c in data.text_columns for t in data.datasets["train"][c]]
+        tokenizer = classification_tokenizer(
+            model_args.model_name_or_path,
+            texts,
+            model_args.tokenizer_vocab_size,
+            data_args.max_seq_length,
+        )
         encoded = tokenize_classification(data, tokenizer, data_args.max_seq_length)
 
     # ---- model
-    model = build_model(model_args, data, len(tokenizer))
-    if model_args.lora:
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        lora = LoraConfig(
-            task_type=TaskType.SEQ_CLS,  # keeps the new classifier head trainable
-            target_modules=["query", "value"],
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
+    model = build_classifier(
+        model_args.model_name_or_path,
+        data.label_list,
+        len(tokenizer),
+        model_args.ignore_mismatched_sizes,
+    )
+    if model_args.lora:  # on query/value; the new classifier head stays trainable
+        model = apply_lora(
+            model, CLASSIFICATION, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout
         )
-        model = get_peft_model(model, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("model: %d parameters, %d trainable", total, trainable)

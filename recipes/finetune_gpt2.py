@@ -29,27 +29,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GPT2Config,
-    GPT2LMHeadModel,
-    HfArgumentParser,
-    default_data_collator,
-)
+from transformers import HfArgumentParser, default_data_collator
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.data import (
-    OFFLINE_DATASET,
-    TINY_MODEL_CONFIGS,
-    DataError,
-    load_lm_corpus,
-    resolve_model_path,
-    tokenize_and_chunk,
-    train_byte_level_bpe_tokenizer,
-)
+from amp_trainer.data import OFFLINE_DATASET, DataError, load_lm_corpus, tokenize_and_chunk
 from amp_trainer.recipe_config import parse_args_with_config
+from amp_trainer.recipe_models import CAUSAL_LM, apply_lora, build_causal_lm, causal_lm_tokenizer
 from amp_trainer.reporting import (
     format_table,
     peak_memory,
@@ -60,9 +46,6 @@ from amp_trainer.reporting import (
 logger = logging.getLogger("finetune_gpt2")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpt2_offline.yaml"
-
-# From-scratch models, small enough for FP16 on two CPU cores (CPU FP16 matmuls are emulated).
-TINY_CONFIGS = {"tiny-gpt2": TINY_MODEL_CONFIGS["tiny-gpt2"]}
 
 
 # The training arguments recorded in metrics.json next to the results they produced.
@@ -132,21 +115,6 @@ class DataArguments:
     sample_tokens: int = field(default=24, metadata={"help": "Tokens per greedy sample."})
 
 
-def build_model(model_args: ModelArguments, tokenizer, block_size: int):
-    """The LM: from a named tiny config, or from_pretrained."""
-    if model_args.model_name_or_path in TINY_CONFIGS:
-        overrides = {**TINY_CONFIGS[model_args.model_name_or_path], "n_positions": block_size}
-        config = GPT2Config(
-            vocab_size=len(tokenizer),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **overrides,
-        )
-        return GPT2LMHeadModel(config)
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(model_args.model_name_or_path))
-
-
 @torch.no_grad()
 def greedy_sample(model, tokenizer, prompt: str, new_tokens: int) -> str:
     """A short greedy continuation of ``prompt`` (deterministic, so before/after compare)."""
@@ -208,15 +176,9 @@ def main(argv: list[str]) -> None:
 
     # ---- tokenizer (trained on the train split for from-scratch models; rank 0 first: cache)
     with training_args.main_process_first(desc="tokenizer"):
-        if model_args.model_name_or_path in TINY_CONFIGS:
-            tokenizer = train_byte_level_bpe_tokenizer(
-                corpus["train"]["text"], model_args.tokenizer_vocab_size
-            )
-        else:
-            path = resolve_model_path(model_args.model_name_or_path)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            if tokenizer.pad_token is None:  # GPT-2 has none; never used (no padding), but
-                tokenizer.pad_token = tokenizer.eos_token  # generate() and collators want one
+        tokenizer = causal_lm_tokenizer(
+            model_args.model_name_or_path, corpus["train"]["text"], model_args.tokenizer_vocab_size
+        )
         block_size = min(data_args.block_size, tokenizer.model_max_length)
         blocks = tokenize_and_chunk(corpus, tokenizer, block_size)
     limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
@@ -231,19 +193,11 @@ def main(argv: list[str]) -> None:
     )
 
     # ---- model
-    model = build_model(model_args, tokenizer, block_size)
-    if model_args.lora:
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        lora = LoraConfig(
-            task_type=TaskType.CAUSAL_LM,
-            target_modules=["c_attn"],
-            fan_in_fan_out=True,  # GPT-2's Conv1D stores weights as (in, out)
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
+    model = build_causal_lm(model_args.model_name_or_path, tokenizer, block_size)
+    if model_args.lora:  # on the attention projection c_attn
+        model = apply_lora(
+            model, CAUSAL_LM, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout
         )
-        model = get_peft_model(model, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("model: %d parameters, %d trainable", total, trainable)

