@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -52,6 +53,13 @@ from torch import nn
 
 from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.doctor import FP16_MAX, OverflowProbe
+from amp_trainer.precision import (
+    _remove_island,
+    is_fp32_island,
+    is_norm_module,
+    keep_in_fp32,
+    keep_norms_in_fp32,
+)
 
 __all__ = [
     "DEFAULT_SAMPLE_TEXTS",
@@ -148,6 +156,9 @@ class ExportReport:
     files: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Modules kept FP32 beyond norms and the guard: the model's own islands (from training)
+    #: and modules that share a parameter with an island.
+    fp32_islands: list[str] = field(default_factory=list)
 
     @property
     def size_ratio(self) -> float | None:
@@ -183,6 +194,9 @@ class ExportReport:
         lines.append(f"- norm layers kept FP32: {len(self.fp32_modules)}")
         guarded = ", ".join(f"`{n}`" for n in self.overflow_guarded_modules) or "none"
         lines.append(f"- kept FP32 by the overflow guard: {guarded}")
+        if self.fp32_islands:
+            kept = ", ".join(f"`{n}`" for n in self.fp32_islands)
+            lines.append(f"- kept FP32 as the model's own islands or tied to an island: {kept}")
         limits = ", ".join(f"{k}={v}" for k, v in self.thresholds.items() if v is not None)
         lines += [f"- thresholds: {limits}", ""]
         lines.append(
@@ -262,11 +276,10 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
 
     ``from_pretrained(path, dtype=torch.float16)`` casts every tensor to FP16; this then restores
     the modules the export kept in FP32 (their FP32 weights are in the safetensors file) and
-    re-attaches the hooks that run them in FP32, so outputs match the parity report.
+    makes them FP32 islands again (:func:`~amp_trainer.precision.keep_in_fp32`), so outputs
+    match the parity report.
     """
     from safetensors import safe_open
-
-    from amp_trainer.precision import keep_norms_in_fp32
 
     path = Path(path)
     if model_class is None:
@@ -275,18 +288,13 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
         model = model_class.from_pretrained(path, dtype=torch.float16)
     info = getattr(model.config, CONFIG_KEY, None) or {}
     norms = list(info.get("fp32_modules", []))
-    guarded = list(info.get("overflow_guarded_modules", []))
+    guarded = [
+        *info.get("overflow_guarded_modules", []),
+        *info.get("fp32_islands", []),  # the model's own islands and modules tied to islands
+    ]
     kept = [*norms, *guarded]
     if kept:
         modules = dict(model.named_modules())
-        wanted: dict[str, torch.Tensor] = {}
-        prefixes = tuple(name + "." for name in kept)
-        state = model.state_dict()
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
-                    if key.startswith(prefixes) and key in state:
-                        wanted[key] = handle.get_tensor(key)
         for name in kept:
             if name not in modules:
                 raise ValueError(
@@ -294,69 +302,73 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
                     "module; was the folder written by a different model class?"
                 )
             modules[name].float()
+        # Taken after .float(): it replaced the tensors, and the FP32 values go into the new ones
+        # (a weight above 65504 is inf in the FP16 copy from_pretrained made).
+        state = model.state_dict()
+        prefixes = tuple(name + "." for name in kept)
         with torch.no_grad():
-            for key, tensor in wanted.items():
-                state[key].copy_(tensor.to(torch.float32))
+            for file in sorted(path.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as handle:
+                    for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
+                        if key.startswith(prefixes) and key in state:
+                            state[key].copy_(handle.get_tensor(key).to(torch.float32))
         if norms:
             keep_norms_in_fp32(model)
-        for name in guarded:
-            _add_island(modules[name])
+        if guarded:
+            keep_in_fp32(model, [_exactly(name) for name in guarded])
     return model.eval()
 
 
 # --------------------------------------------------------------------------------------------
 # FP32 islands and the overflow guard
 # --------------------------------------------------------------------------------------------
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor inside ``value`` (tensors, tuples, lists, dicts, ModelOutputs)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_cast_floats(v, dtype) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        cast = {k: _cast_floats(v, dtype) for k, v in value.items()}
-        try:  # keep ModelOutput and other dict subclasses what they were
-            return type(value)(**cast)
-        except TypeError:
-            return cast
-    return value
+def _exactly(name: str) -> re.Pattern[str]:
+    """``name`` as a keep_in_fp32 pattern matching that one module (not every ``*.name``)."""
+    return re.compile(re.escape(name))
 
 
-class _Fp32Island:
-    """Forward hooks that run one module in FP32 inside an FP16 model (export time, no autocast).
+def _restore_fp32_weights(model: nn.Module, source: nn.Module, names: Iterable[str]) -> None:
+    """Give the islands ``names`` of the halved ``model`` the FP32 source's exact weights.
 
-    A top-level class, not closures, so the model still deep-copies and pickles. Unlike the norm
-    hooks of :mod:`amp_trainer.precision` (which cast back to the *input's* dtype, whatever it
-    is), an island always hands FP16 to the FP16 code around it: that is what the guard measures.
+    ``.half()`` rounded them (or turned them into ``inf``: a weight above 65504 does not survive
+    the cast); the island made them FP32 again but cannot undo the rounding. State-dict keys are
+    unchanged by islands, so the source's keys address the same tensors.
     """
+    modules = dict(model.named_modules())
+    source_modules = dict(source.named_modules())
+    with torch.no_grad():
+        for name in names:
+            if name not in source_modules:
+                continue
+            reference = source_modules[name].state_dict()
+            for key, value in modules[name].state_dict().items():
+                if key in reference and value.is_floating_point():
+                    value.copy_(reference[key].to(torch.float32))
 
-    def pre_forward(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
 
-    def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        return _cast_floats(output, torch.float16)
+def _fp32_weight_share(model: nn.Module) -> float:
+    """The fraction of the model's floating weights (shared ones counted once) kept FP32."""
+    seen: set[int] = set()
+    fp32 = total = 0
+    for param in model.parameters():
+        if id(param) in seen or not param.is_floating_point():
+            continue
+        seen.add(id(param))
+        total += param.numel()
+        fp32 += param.numel() if param.dtype == torch.float32 else 0
+    return fp32 / total if total else 0.0
 
 
-def _add_island(
-    module: nn.Module, fp32_state: Mapping[str, torch.Tensor] | None = None
-) -> list[Any]:
-    """Make ``module`` an FP32 island; ``fp32_state`` restores weights that ``.half()`` rounded
-    (or turned into ``inf``: a weight above 65504 does not survive the cast)."""
-    module.float()
-    if fp32_state is not None:
-        with torch.no_grad():
-            for key, value in module.state_dict().items():
-                if key in fp32_state and value.is_floating_point():
-                    value.copy_(fp32_state[key].to(torch.float32))
-    hooks = _Fp32Island()
-    return [
-        module.register_forward_pre_hook(hooks.pre_forward, with_kwargs=True),
-        module.register_forward_hook(hooks.post_forward),
-    ]
+def _model_islands(model: nn.Module) -> list[str]:
+    """The model's own FP32 islands other than norms: from training (``fp32_modules``,
+    ``_keep_in_fp32_modules``, the forward-overflow fallback) or a user's keep_in_fp32()."""
+    outermost: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(o + ".") for o in outermost):
+            continue
+        if is_fp32_island(module) and not is_norm_module(module):
+            outermost.append(name)
+    return outermost
 
 
 def _enclosing_called(name: str, called: set[str]) -> str:
@@ -373,42 +385,64 @@ def _guard_overflows(
     source: nn.Module,
     inputs: Mapping[str, torch.Tensor],
     max_iterations: int,
-) -> tuple[list[str], list[str]]:
+    kept: Iterable[str] = (),
+) -> tuple[list[str], list[str], list[str]]:
     """Keep modules in FP32 until an FP16 forward on ``inputs`` is clean (bounded).
 
-    Returns (guarded module names, failures). Each iteration runs one forward with probes: the
-    first overflowing module becomes an island; an island that itself overflows (its FP32 output
-    does not fit FP16) is replaced by its nearest enclosing module that runs a forward (not a
-    ModuleList), whose descendants' islands are dropped. Island weights come from ``source``
-    (the FP32 model), not from the halved copy.
+    Returns (guarded module names, modules kept FP32 because they share a parameter with a
+    guarded one, failures). Each iteration runs one forward with probes: the first overflowing
+    module becomes an island (:func:`~amp_trainer.precision.keep_in_fp32`); an island that itself
+    overflows (its FP32 output does not fit FP16) is replaced by its nearest enclosing module that
+    runs a forward (not a ModuleList), whose descendants' islands are dropped. ``kept`` are islands
+    the model came with (they are widened the same way). Island weights come from ``source``
+    (the FP32 model), not from the halved copy. Tied parameters: a module that shares one with an
+    island becomes an island too (GPT-2's ``lm_head`` and ``transformer.wte``), so no module ever
+    meets FP32 weights with FP16 inputs.
     """
     modules = dict(model.named_modules())
-    source_modules = dict(source.named_modules())
-    islands: dict[str, list[Any]] = {}
+    islands: list[str] = []
+    tied: list[str] = []
     for _ in range(max_iterations):
-        with OverflowProbe(model, limit=FP16_MAX, skip_under=islands) as probe, torch.no_grad():
+        with (
+            OverflowProbe(model, limit=FP16_MAX, skip_under=[*kept, *islands, *tied]) as probe,
+            torch.no_grad(),
+        ):
             model(**inputs)
         culprit = probe.first
         if culprit is None:
-            return sorted(islands), []
+            return sorted(islands), sorted(tied), []
         target = culprit
-        if culprit in islands:
+        if culprit in islands or culprit in tied or culprit in kept:
             target = _enclosing_called(culprit, probe.called)
         if target == "":
-            return sorted(islands), [
-                f"module {culprit or '<root>'!r} overflows FP16 and no enclosing module below the "
-                "root brings its output back into the FP16 range; this model cannot be exported "
-                "to FP16 as is"
-            ]
-        for name in [n for n in islands if n.startswith(target + ".")]:
-            for handle in islands.pop(name):
-                handle.remove()
+            return (
+                sorted(islands),
+                sorted(tied),
+                [
+                    f"module {culprit or '<root>'!r} overflows FP16 and no enclosing module below "
+                    "the root brings its output back into the FP16 range; this model cannot be "
+                    "exported to FP16 as is"
+                ],
+            )
+        for name in [n for n in [*islands, *tied] if n.startswith(target + ".")]:
+            _remove_island(modules[name])
+            (islands if name in islands else tied).remove(name)
         logger.info("Overflow guard: keeping %r in FP32 (first FP16 overflow: %r)", target, culprit)
-        islands[target] = _add_island(modules[target], source_modules[target].state_dict())
-    return sorted(islands), [
-        f"overflow guard gave up after {max_iterations} iterations; still overflowing: "
-        f"{sorted(islands)}"
-    ]
+        covered = keep_in_fp32(model, _exactly(target))
+        _restore_fp32_weights(model, source, covered)
+        islands.append(target)
+        for name in covered:
+            if name != target and name not in tied and name not in kept:
+                logger.info("Overflow guard: keeping %r in FP32 too (tied to %r)", name, target)
+                tied.append(name)
+    return (
+        sorted(islands),
+        sorted(tied),
+        [
+            f"overflow guard gave up after {max_iterations} iterations; still overflowing: "
+            f"{sorted(islands)}"
+        ],
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,8 +743,6 @@ def export_fp16(
         whether ``output_dir`` now holds the export. When parity fails and ``force`` is false,
         nothing is written, not even a partial folder.
     """
-    from amp_trainer.precision import keep_norms_in_fp32
-
     formats = tuple(dict.fromkeys(["safetensors", *formats]))
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
@@ -764,12 +796,19 @@ def export_fp16(
     # The FP16 model: a copy, norms FP32, overflowing modules FP32.
     fp16 = copy.deepcopy(source_model).eval().half()
     norms = keep_norms_in_fp32(fp16) if keep_norms_fp32 else []
+    # Islands the model came with (trained with fp32_modules, _keep_in_fp32_modules or the
+    # forward-overflow fallback) stay FP32, with the modules tied to them.
+    own = _model_islands(fp16)
+    own = keep_in_fp32(fp16, [_exactly(name) for name in own]) if own else []
+    _restore_fp32_weights(fp16, source_model, [*norms, *own])
     guarded: list[str] = []
+    tied: list[str] = []
     failures: list[str] = []
     if overflow_guard:
-        guarded, failures = _guard_overflows(
-            fp16, source_model, {**inputs, **extra}, max_guard_iterations
+        guarded, tied, failures = _guard_overflows(
+            fp16, source_model, {**inputs, **extra}, max_guard_iterations, kept=own
         )
+    islands = sorted({*own, *tied})
     with torch.no_grad():
         _, candidate = _pick_output(fp16(**inputs, **extra))
     mask = inputs["attention_mask"].cpu()
@@ -777,7 +816,13 @@ def export_fp16(
     candidate = candidate.cpu()
     parity = {"pytorch": _compare("pytorch", output_name, reference, candidate, mask, thresholds)}
     notes: list[str] = []
-    if guarded:
+    fp32_share = _fp32_weight_share(fp16)
+    if guarded and fp32_share > 0.5:
+        notes.append(
+            f"{fp32_share:.0%} of the weights stay FP32 to avoid FP16 overflow (islands: "
+            f"{', '.join(guarded + islands)}): little is saved over the FP32 model"
+        )
+    if guarded or islands:
         notes.append(
             "modules kept FP32 by the overflow guard come back FP16 (and overflow again) with a "
             "plain from_pretrained(dtype=torch.float16); reload with "
@@ -795,6 +840,7 @@ def export_fp16(
         forced=False,
         fp32_modules=list(norms),
         overflow_guarded_modules=guarded,
+        fp32_islands=islands,
         parity=parity,
         thresholds=thresholds,
         source_bytes=source_bytes,
@@ -809,6 +855,7 @@ def export_fp16(
                 CONFIG_KEY: {
                     "fp32_modules": list(norms),
                     "overflow_guarded_modules": guarded,
+                    "fp32_islands": islands,
                     "reload_with": "amp_trainer.export.load_fp16_export",
                 }
             }

@@ -28,13 +28,14 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import os
 import re
 import sys
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,7 +47,9 @@ __all__ = [
     "autocast_for",
     "cast_trainable_params_to_fp32",
     "check_trainable_params_fp32",
+    "is_fp32_island",
     "is_norm_module",
+    "keep_in_fp32",
     "keep_norms_in_fp32",
     "resolve_precision",
 ]
@@ -258,114 +261,144 @@ def is_norm_module(module: nn.Module) -> bool:
     return all(is_norm_module(child) for child in module.children())
 
 
-class _Fp32Norm:
-    """Keeps one norm layer in FP32: a forward pre-hook, a forward hook and a ``forward``.
+# --------------------------------------------------------------------------------------------
+# FP32 islands: modules that compute in FP32 whatever autocast or .half() say
+# --------------------------------------------------------------------------------------------
+#: What an island hands back under autocast: ``"input"`` casts its output to the input's dtype
+#: (norms: their output is bounded, and the surrounding code got that dtype before);
+#: ``"fp32"`` keeps it FP32 (an island made because its output does not fit FP16: casting it back
+#: would bring the inf back; autocast casts it again for the next FP16 op). Without autocast both
+#: cast back to the input's dtype (or to the model's, for a module fed only integer ids), which is
+#: what a ``.half()`` model's FP16 weights around the island need.
+_AUTOCAST_OUTPUTS = ("input", "fp32")
 
-    One instance per layer, a top-level class rather than closures so that a model carrying it
-    still pickles and deep-copies (the reference to its layer follows the copy).
 
-    In eager mode the hooks do the work, as a region around the whole call: the pre-hook (1)
-    restores FP32 parameters and buffers if something cast the layer since (``model.half()``
-    after :func:`keep_norms_in_fp32`), (2) upcasts floating inputs to FP32 and (3) disables
-    autocast; the post-hook (``always_call=True``, so it runs even when forward raises) leaves
-    the autocast-disabled region and casts floating outputs back to the input's dtype, which is
-    what the surrounding half-precision code expects. Hooks registered after these see what the
-    layer computes on: FP32 inputs, autocast off.
+class _Fp32Island:
+    """The ``forward`` of one FP32 island (set as an instance attribute of its module).
 
-    torch.compile cannot trace that region: dynamo fails on an autocast context entered in one
-    hook and left in another (``'autocast' object has no attribute 'prev'`` in torch 2.13). So
-    the layer's ``forward`` is replaced (an instance attribute; the class's method is untouched)
-    by :meth:`__call__`, which does the same upcast / autocast-off / cast-back inside one
-    ``with`` block, which dynamo traces. While dynamo traces, the hooks only restore FP32
-    parameters and leave the rest to it; in eager mode it finds FP32 inputs and autocast already
-    off, and just calls the original forward.
+    One object per island, a top-level class rather than a closure so that the model still
+    pickles and deep-copies (the reference to its module follows the copy). It replaces the
+    module's ``forward`` rather than adding forward hooks: a module with hooks goes through
+    ``nn.Module``'s slow call path, and one hook pair cost about 29 us of host time per
+    ``LayerNorm`` call; this costs a few. It also keeps the whole region in one ``try`` (autocast
+    is restored when the forward raises) and in one ``with`` block under ``torch.compile``, the
+    form dynamo can trace. Forward hooks of the module see what its callers pass and get.
     """
 
-    def __init__(self, module: nn.Module, forward: Any = None) -> None:
+    def __init__(self, module: nn.Module, forward: Any, autocast_output: str) -> None:
         self.module = module
         # The forward this one wraps when it is not the class's own (another library's wrapper
         # set as an instance attribute); None means type(module).forward, looked up at call time
-        # so that no bound method of the layer has to be pickled.
+        # so that no bound method of the module has to be pickled.
         self.forward = forward
-        self._local = threading.local()
+        self.autocast_output = autocast_output
+        # The dtype the rest of the model was cast to (seen when .half() halved this module's
+        # weights): what a module fed only integer ids hands back without autocast.
+        self.outer_dtype: torch.dtype | None = None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # The tensors to keep FP32 (the whole subtree), gathered once: checking their dtypes is
+        # the only per-call cost when nothing changed. Module-held lists, so a later
+        # module.half() (which replaces param.data, not the parameter) is still seen.
+        self._holders = [m for m in self.module.modules() if m._parameters or m._buffers]
 
     def __getstate__(self) -> dict[str, Any]:
-        # The per-call stack is runtime state; thread-locals don't pickle.
-        return {"module": self.module, "forward": self.forward}
+        return {
+            "module": self.module,
+            "forward": self.forward,
+            "autocast_output": self.autocast_output,
+            "outer_dtype": self.outer_dtype,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # .get: a model pickled before the forward existed carries hooks-only state ({}).
-        self.module = state.get("module")
+        self.module = state["module"]
         self.forward = state.get("forward")
-        self._local = threading.local()
+        self.autocast_output = state.get("autocast_output", "input")
+        self.outer_dtype = state.get("outer_dtype")
+        # The module may not be fully unpickled yet (a reference cycle): gather lazily.
+        self._holders = None  # type: ignore[assignment]
 
-    def _stack(self) -> list[tuple[contextlib.AbstractContextManager[Any] | None, Any]]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
-    def pre_forward(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        _to_fp32_in_place(module)
-        if torch.compiler.is_dynamo_compiling():
-            return None  # __call__ does the rest inside one traceable `with` block
-        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            # The common case (one hidden-states tensor), without walking nested containers.
-            first = args[0]
-            is_float = first.is_floating_point()
-            input_dtype = first.dtype if is_float else None
-            device = first.device if is_float else None
-        else:
-            input_dtype = _first_float_dtype(args, kwargs)
-            device = _first_float_device(args, kwargs)
-        ctx: contextlib.AbstractContextManager[Any] | None = None
-        if device is not None and _autocast_available(device.type):
-            ctx = torch.autocast(device_type=device.type, enabled=False)
-            ctx.__enter__()
-        self._stack().append((ctx, input_dtype))
-        if not kwargs and len(args) == 1 and input_dtype is not None:
-            return (args[0].float(),), kwargs
-        return _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
-
-    def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():
-            return None
-        stack = self._stack()
-        if not stack:  # a pre-hook before ours raised: ours never ran
-            return None
-        ctx, input_dtype = stack.pop()
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-        if output is None or input_dtype is None or input_dtype == torch.float32:
-            return None
-        return _cast_floats(output, input_dtype)
+    def ensure_fp32(self) -> None:
+        """Re-cast the island's parameters and buffers to FP32 if something cast them since."""
+        holders = self._holders
+        if holders is None:
+            self._refresh()
+            holders = self._holders
+        for holder in holders:
+            for tensor in (*holder._parameters.values(), *holder._buffers.values()):
+                if (
+                    tensor is not None
+                    and tensor.dtype != torch.float32
+                    and tensor.is_floating_point()
+                ):
+                    outer = _to_fp32_in_place(holder)
+                    if outer is not None:
+                        self.outer_dtype = outer
+                    break
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The layer's forward in FP32 with autocast off, output in the input's dtype.
+        self.ensure_fp32()
+        if torch.compiler.is_dynamo_compiling():
+            return self._traced(args, kwargs)
+        # The common case (one hidden-states tensor) without walking nested containers.
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            first: torch.Tensor | None = args[0]
+            if not first.is_floating_point():
+                first = None
+        else:
+            first = _first_float(args, kwargs)
+        if first is not None:
+            device_type, input_dtype = first.device.type, first.dtype
+        else:
+            device_type, input_dtype = self._device_type(args, kwargs), None
+        autocast = device_type in _AUTOCAST_TYPES and torch.is_autocast_enabled(device_type)
+        if input_dtype is torch.float32 or input_dtype is None:
+            if not autocast:
+                output = self._forward(args, kwargs)
+                return self._cast_back(output, input_dtype, autocast)
+        else:
+            args, kwargs = _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
+        if not autocast:
+            return self._cast_back(self._forward(args, kwargs), input_dtype, False)
+        torch.set_autocast_enabled(device_type, False)
+        try:
+            output = self._forward(args, kwargs)
+        finally:
+            torch.set_autocast_enabled(device_type, True)
+        return self._cast_back(output, input_dtype, True)
 
-        Self-sufficient, so the layer is FP32 whichever hooks ran: in eager mode the pre-hook has
-        already upcast the inputs and disabled autocast, and this only calls the original forward.
-        """
-        if getattr(self._local, "stack", None) and not torch.compiler.is_dynamo_compiling():
-            # Eager mode, inside the hooks' region: inputs are FP32 and autocast is off already.
-            return self._forward(args, kwargs)
-        input_dtype = _first_float_dtype(args, kwargs)
-        device = _first_float_device(args, kwargs)
+    def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The same region as one ``with`` block: what dynamo traces (it cannot trace
+        ``set_autocast_enabled`` pairs)."""
+        first = _first_float(args, kwargs)
+        input_dtype = first.dtype if first is not None else None
+        device_type = first.device.type if first is not None else self._device_type(args, kwargs)
         args, kwargs = _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
-        if (
-            device is not None
-            and _autocast_available(device.type)
-            and torch.is_autocast_enabled(device.type)
-        ):
-            with torch.autocast(device_type=device.type, enabled=False):
+        autocast = device_type in _AUTOCAST_TYPES and torch.is_autocast_enabled(device_type)
+        if autocast:
+            with torch.autocast(device_type=device_type, enabled=False):
                 output = self._forward(args, kwargs)
         else:
             output = self._forward(args, kwargs)
-        if output is None or input_dtype is None or input_dtype == torch.float32:
+        return self._cast_back(output, input_dtype, autocast)
+
+    def _cast_back(self, output: Any, input_dtype: torch.dtype | None, autocast: bool) -> Any:
+        if autocast and self.autocast_output == "fp32":
             return output
-        return _cast_floats(output, input_dtype)
+        target = input_dtype if input_dtype is not None else self.outer_dtype
+        if output is None or target is None or target == torch.float32:
+            return output
+        return _cast_floats(output, target)
+
+    def _device_type(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        for tensor in _iter_tensors((args, kwargs)):
+            return tensor.device.type
+        for holder in self._holders or ():
+            for tensor in holder._parameters.values():
+                if tensor is not None:
+                    return tensor.device.type
+        return "cpu"
 
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.forward is None:
@@ -373,31 +406,78 @@ class _Fp32Norm:
         return self.forward(*args, **kwargs)
 
 
-def _install_fp32_norm(module: nn.Module) -> None:
+# Device types autocast exists for, asked once (is_autocast_available is not free per call).
+_AUTOCAST_TYPES = frozenset(
+    t
+    for t in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu", "maia")
+    if torch.amp.autocast_mode.is_autocast_available(t)
+)
+
+
+def _island_of(module: nn.Module) -> _Fp32Island | None:
+    """The island object running ``module``'s forward, looking through wrappers set later
+    (Accelerate's ``add_hook_to_module`` keeps the previous forward as ``_old_forward``)."""
+    forward = module.__dict__.get("forward")
+    for _ in range(8):
+        if isinstance(forward, _Fp32Island):
+            return forward
+        if forward is None:
+            break
+        forward = getattr(forward, "__wrapped__", None) or module.__dict__.get("_old_forward")
+        if forward is module.__dict__.get("forward"):
+            break
+    old = module.__dict__.get("_old_forward")
+    return old if isinstance(old, _Fp32Island) else None
+
+
+def is_fp32_island(module: nn.Module) -> bool:
+    """Whether ``module`` computes in FP32 through :func:`keep_in_fp32` (or the norm policy)."""
+    return _island_of(module) is not None
+
+
+def _install_island(module: nn.Module, autocast_output: str) -> _Fp32Island:
     current = module.__dict__.get("forward")
     if getattr(current, "__self__", None) is module and getattr(
         current, "__func__", None
     ) is getattr(type(module), "forward", None):
         current = None  # a bound copy of the class's own forward: nothing to keep
-    hooks = _Fp32Norm(module, current)
-    module.forward = hooks
-    module.register_forward_pre_hook(hooks.pre_forward, with_kwargs=True)
-    module.register_forward_hook(hooks.post_forward, always_call=True)
+    island = _Fp32Island(module, current, autocast_output)
+    module.forward = island
+    # A state_dict taken after model.half() but before the next forward still holds FP32.
     module.register_state_dict_pre_hook(_state_dict_pre_hook)
+    return island
+
+
+def _remove_island(module: nn.Module) -> None:
+    """Undo :func:`keep_in_fp32` for one module (the exporter widening an island). Its
+    parameters stay where they are; the next ``.half()`` halves them."""
+    island = module.__dict__.get("forward")
+    if not isinstance(island, _Fp32Island):
+        return
+    if island.forward is None:
+        del module.forward
+    else:
+        module.forward = island.forward
+    for key, hook in list(module._state_dict_pre_hooks.items()):
+        if hook is _state_dict_pre_hook:
+            del module._state_dict_pre_hooks[key]
+
+
+def _first_float(*values: Any) -> torch.Tensor | None:
+    for tensor in _iter_tensors(values):
+        if tensor.is_floating_point():
+            return tensor
+    return None
 
 
 def _first_float_dtype(*values: Any) -> torch.dtype | None:
-    for tensor in _iter_tensors(values):
-        if tensor.is_floating_point():
-            return tensor.dtype
-    return None
+    tensor = _first_float(values)
+    return tensor.dtype if tensor is not None else None
 
 
 def _first_float_device(*values: Any) -> torch.device | None:
-    for tensor in _iter_tensors(values):
-        if tensor.is_floating_point():
-            return tensor.device
-    return None
+    tensor = _first_float(values)
+    return tensor.device if tensor is not None else None
 
 
 def _iter_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -412,6 +492,7 @@ def _iter_tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor inside ``value`` (tensors, tuples, lists, dicts, ModelOutputs)."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
@@ -419,88 +500,222 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_cast_floats(v, dtype) for v in value)
     if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+        cast = {k: _cast_floats(v, dtype) for k, v in value.items()}
+        if type(value) is dict:
+            return cast
+        try:  # keep ModelOutput and other dict subclasses what they were
+            return type(value)(**cast)
+        except TypeError:
+            return cast
     return value
 
 
-def _to_fp32_in_place(module: nn.Module) -> bool:
+def _to_fp32_in_place(module: nn.Module) -> torch.dtype | None:
     """Cast ``module``'s own floating parameters and buffers to FP32, keeping their identity.
 
     ``param.data = ...`` is what ``module.half()`` itself does, so an optimizer that already holds
-    the parameter keeps updating the same object. Returns whether anything changed.
+    the parameter keeps updating the same object. Returns the dtype they had been cast to, or
+    ``None`` if nothing changed.
     """
-    # Fast path, taken on every forward: nothing to do once the layer is FP32 (the usual case).
+    # Fast path: nothing to do once the module is FP32 (the usual case).
     if all(
         t is None or not t.is_floating_point() or t.dtype == torch.float32
         for t in (*module._parameters.values(), *module._buffers.values())
     ):
-        return False
-    changed = False
+        return None
+    was: torch.dtype | None = None
     with torch.no_grad():
         for param in module.parameters(recurse=False):
             if param.is_floating_point() and param.dtype != torch.float32:
+                was = param.dtype
                 param.data = param.data.float()
                 if param.grad is not None:
                     param.grad = param.grad.float()
-                changed = True
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                was = was or buf.dtype
                 setattr(module, name, buf.float())
-                changed = True
-    return changed
+    return was
+
+
+def _subtree_to_fp32(module: nn.Module) -> torch.dtype | None:
+    """:func:`_to_fp32_in_place` on ``module`` and everything in it; the dtype seen, if any."""
+    seen = None
+    for sub in module.modules():
+        seen = _to_fp32_in_place(sub) or seen
+    return seen
 
 
 def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    # A state_dict taken after model.half() but before the next forward still holds FP32 norms.
-    _to_fp32_in_place(module)
+    # A state_dict taken after model.half() but before the next forward still holds FP32.
+    island = _island_of(module)
+    if island is not None:
+        island.ensure_fp32()
 
 
-def _has_fp32_hooks(module: nn.Module) -> bool:
-    return any(isinstance(getattr(h, "__self__", None), _Fp32Norm) for h in _pre_hooks(module))
+def _matches(name: str, spec: str | re.Pattern[str]) -> bool:
+    """``spec`` names ``name``: a regex (full match), or a qualified name, a dotted suffix of one
+    (``"wo"``, ``"DenseReluDense.wo"``, as transformers' ``_keep_in_fp32_modules`` are written),
+    or a glob of either (``"encoder.block.*.wo"``)."""
+    if isinstance(spec, re.Pattern):
+        return spec.fullmatch(name) is not None
+    if name == spec or name.endswith("." + spec):
+        return True
+    if any(c in spec for c in "*?["):
+        return fnmatch.fnmatchcase(name, spec) or fnmatch.fnmatchcase(name, "*." + spec)
+    return False
 
 
-def _pre_hooks(module: nn.Module) -> list[Any]:
-    return list(module._forward_pre_hooks.values())
+def _inside(name: str, outer: str) -> bool:
+    return outer == "" or name == outer or name.startswith(outer + ".")
+
+
+def keep_in_fp32(
+    model: nn.Module,
+    modules: str | re.Pattern[str] | Iterable[str | re.Pattern[str]],
+    *,
+    autocast_output: str = "fp32",
+    missing_ok: bool = False,
+) -> list[str]:
+    """Make the named modules of ``model`` FP32 islands: FP32 parameters *and* arithmetic.
+
+    An island computes in FP32 whatever ``torch.autocast`` or ``model.half()`` say: on every call
+    it re-casts its parameters and buffers to FP32 if something halved them since (in place: an
+    optimizer holding them keeps the same objects), upcasts floating inputs, runs with autocast
+    disabled and hands back what the surrounding code expects: without autocast the input's
+    dtype (the model's, for a module fed only integer ids), so the FP16 layers after it get FP16;
+    under autocast FP32 (``autocast_output="fp32"``, the default: a value that overflowed FP16
+    must not be cast back to it; the next autocast op casts it as it needs) or the input's dtype
+    (``"input"``, what the norm policy uses). The one mechanism behind the FP32 norms, the
+    ``fp32_modules`` option, transformers' ``_keep_in_fp32_modules``, the trainer's
+    forward-overflow fallback and the FP16 exporter.
+
+    Args:
+        model: the model; changed in place.
+        modules: names or patterns: a qualified name
+            (``"encoder.block.0.layer.1.DenseReluDense.wo"``), a dotted suffix that matches every
+            module ending so (``"wo"``), a glob (``"encoder.block.*.wo"``) or a compiled regex
+            (full match).
+        autocast_output: ``"fp32"`` or ``"input"``, see above.
+        missing_ok: a name that matches no module is ignored instead of a ``ValueError``.
+
+    Tied parameters: a parameter has one dtype, so every module that uses a parameter of an
+    island becomes an island too (GPT-2's ``lm_head`` shares ``transformer.wte.weight``: keeping
+    ``wte`` FP32 in a halved model would hand ``lm_head`` FP32 weights and FP16 inputs).
+
+    Idempotent and safe to call on a copied or unpickled model (its islands come along and are
+    recognised); a module inside an island is covered by it. ``state_dict`` keys and parameter
+    names are unchanged; the model still pickles, deep-copies, ``save_pretrained``s and runs under
+    ``torch.compile``, TorchScript tracing and ONNX export.
+
+    Returns the qualified names of the islands that cover what was asked, plus those added for
+    tied parameters, in model order (the same answer on every call).
+    """
+    if autocast_output not in _AUTOCAST_OUTPUTS:
+        raise ValueError(
+            f"autocast_output must be one of {_AUTOCAST_OUTPUTS}, got {autocast_output!r}"
+        )
+    specs = [modules] if isinstance(modules, (str, re.Pattern)) else list(modules)
+    for spec in specs:
+        if not isinstance(spec, (str, re.Pattern)):
+            raise TypeError(
+                f"keep_in_fp32() takes module names or patterns (str or re.Pattern), got "
+                f"{spec!r} ({type(spec).__name__})"
+            )
+    named = list(model.named_modules())
+    wanted = [name for name, _ in named if any(_matches(name, spec) for spec in specs)]
+    if not missing_ok:
+        found = {spec for spec in specs for name in wanted if _matches(name, spec)}
+        missing = [spec for spec in specs if spec not in found]
+        if missing:
+            sample = ", ".join(repr(n) for n, _ in named[1:6])
+            raise ValueError(
+                f"keep_in_fp32(): no module of {type(model).__name__} matches "
+                f"{', '.join(repr(getattr(s, 'pattern', s)) for s in missing)}; give qualified "
+                f"names (e.g. {sample}), a dotted suffix such as 'wo', a glob or a regex"
+            )
+    return _make_islands(model, named, wanted, autocast_output)
+
+
+def _make_islands(
+    model: nn.Module,
+    named: list[tuple[str, nn.Module]],
+    wanted: list[str],
+    autocast_output: str,
+) -> list[str]:
+    modules = dict(named)
+    existing = [name for name, module in named if is_fp32_island(module)]
+    covered: list[str] = []
+    for name in wanted:
+        if any(_inside(name, outer) for outer in covered):
+            continue  # inside an island asked for in this call
+        outer = next((o for o in existing if _inside(name, o) and o != name), None)
+        if outer is not None:
+            covered.append(outer)  # inside an existing island: that one covers it
+            continue
+        covered.append(name)
+    # Tied parameters: every module holding a parameter of an island joins (closure).
+    queue = list(covered)
+    while queue:
+        inside_ids = {id(p) for island in queue for p in modules[island].parameters()}
+        queue = []
+        for name, module in named:
+            if any(_inside(name, c) for c in covered):
+                continue
+            shared = [n for n, p in module.named_parameters(recurse=False) if id(p) in inside_ids]
+            if shared:
+                logger.info(
+                    "Keeping %r in FP32 too: it shares %s with an FP32 island",
+                    name,
+                    ", ".join(shared),
+                )
+                covered.append(name)
+                queue.append(name)
+    added = 0
+    for name in covered:
+        module = modules[name]
+        outer = _subtree_to_fp32(module)
+        island = _island_of(module)
+        if island is not None:
+            island.outer_dtype = outer or island.outer_dtype
+            if autocast_output == "fp32":
+                island.autocast_output = "fp32"  # an overflow fix outranks the norm policy
+            continue
+        _install_island(module, autocast_output).outer_dtype = outer
+        added += 1
+    if added:
+        logger.debug("Made %d new FP32 island(s) (%d covered)", added, len(covered))
+    order = {name: i for i, (name, _) in enumerate(named)}
+    return sorted(dict.fromkeys(covered), key=order.__getitem__)
 
 
 def keep_norms_in_fp32(model: nn.Module) -> list[str]:
     """Keep every normalisation layer of ``model`` in FP32, parameters and arithmetic.
 
-    Each norm layer (see :func:`is_norm_module`) gets its parameters and buffers cast to FP32 now
-    and a pair of forward hooks that, on every call, re-cast them if something halved them since,
-    upcast the inputs, run the layer with autocast disabled and cast the output back to the
-    input's dtype. Its ``forward`` becomes an instance attribute that does the same inside one
-    ``with`` block, the form ``torch.compile`` can trace. So it holds inside ``torch.autocast``,
-    after ``model.half()`` (called before or after this function), under ``torch.compile`` and in
-    a model exported to FP16 (TorchScript, ONNX).
+    The norm policy of :func:`keep_in_fp32`: each norm layer (see :func:`is_norm_module`)
+    becomes an FP32 island that hands back its input's dtype, under autocast too (a norm's output
+    is bounded, and the code after it got that dtype before). So it holds inside
+    ``torch.autocast``, after ``model.half()`` (called before or after this function), under
+    ``torch.compile`` and in a model exported to FP16 (TorchScript, ONNX).
 
     Idempotent: a layer handled by an earlier call (or carried over by ``copy.deepcopy`` or
-    pickling) gets no second set of hooks; its parameters are re-cast to FP32 now. Parameter
-    names and ``state_dict`` keys are unchanged; the model still pickles, deep-copies and
+    pickling) is not wrapped twice; its parameters are re-cast to FP32 now. Parameter names and
+    ``state_dict`` keys are unchanged; the model still pickles, deep-copies and
     ``save_pretrained``s.
 
     Returns the qualified names of *every* norm layer now kept in FP32, whether this call or an
-    earlier one added its hooks, so the answer is the same on every call (an exporter can list
+    earlier one made it an island, so the answer is the same on every call (an exporter can list
     them even for a model a trainer already prepared).
     """
-    covered: list[str] = []  # norms kept in FP32, by this call or an earlier one
-    added = 0
-    for name, module in model.named_modules():
-        if not is_norm_module(module):
-            continue
+    named = list(model.named_modules())
+    norms: list[str] = []
+    for name, module in named:
         # A norm nested in a norm (a name-matched wrapper around nn.LayerNorm): the outer one
         # already runs everything inside it in FP32.
-        if any(name.startswith(outer + ".") or outer == "" for outer in covered):
-            continue
-        covered.append(name)
-        _to_fp32_in_place(module)
-        if _has_fp32_hooks(module):
-            continue
-        _install_fp32_norm(module)
-        added += 1
-    if added:
-        logger.debug("Kept %d new normalisation layer(s) in fp32 (%d in all)", added, len(covered))
-    return covered
+        if is_norm_module(module) and not any(_inside(name, outer) for outer in norms):
+            norms.append(name)
+    _make_islands(model, named, norms, "input")
+    return norms
 
 
 # --------------------------------------------------------------------------------------------
@@ -541,7 +756,8 @@ def cast_trainable_params_to_fp32(
     The LoRA / ``modules_to_save`` case: a base model loaded in FP16 to save memory, adapters
     trained on top. Parameters keep their identity (``param.data`` is replaced), so an optimizer
     built earlier still holds them. Norm layers handled by :func:`keep_norms_in_fp32` stay FP32
-    even when frozen. Returns the names of the parameters whose dtype changed.
+    even when frozen, as does every other FP32 island (:func:`keep_in_fp32`). Returns the names
+    of the parameters whose dtype changed.
     """
     if frozen_dtype is not None and not (
         isinstance(frozen_dtype, torch.dtype) and frozen_dtype.is_floating_point
@@ -549,9 +765,7 @@ def cast_trainable_params_to_fp32(
         raise ValueError(
             f"frozen_dtype must be a floating torch.dtype or None, got {frozen_dtype!r}"
         )
-    fp32_modules = {
-        id(p) for m in model.modules() if _has_fp32_hooks(m) for p in m.parameters(recurse=False)
-    }
+    fp32_modules = {id(p) for m in model.modules() if is_fp32_island(m) for p in m.parameters()}
     cast: list[str] = []
     with torch.no_grad():
         for name, param in model.named_parameters():

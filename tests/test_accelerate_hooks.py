@@ -15,7 +15,7 @@ from accelerate.utils import GradScalerKwargs
 
 from amp_trainer import precision
 from amp_trainer.accelerate_hooks import AmpAccelerator, deepspeed_fp16_config, install_scaler
-from amp_trainer.precision import keep_norms_in_fp32
+from amp_trainer.precision import is_fp32_island, keep_norms_in_fp32
 from amp_trainer.scaler import DynamicLossScaler
 from tests.conftest import REPO_ROOT, make_tiny_bert, make_tiny_gpt2, subprocess_env
 
@@ -207,15 +207,15 @@ def test_prepare_keeps_norms_in_fp32_under_fp16(tiny_bert):
     accelerator = AmpAccelerator(mixed_precision="fp16", cpu=True)
     model = accelerator.prepare(tiny_bert)
     norm = model.bert.embeddings.LayerNorm
-    assert len(norm._forward_pre_hooks) == 1  # prepare() added the FP32 hooks
+    assert is_fp32_island(norm)  # prepare() made it an FP32 island
     keep_norms_in_fp32(model)
-    assert len(norm._forward_pre_hooks) == 1
+    assert is_fp32_island(norm) and not norm._forward_pre_hooks
 
 
 def test_keep_norms_fp32_false_leaves_the_model_alone(tiny_bert):
     accelerator = AmpAccelerator(mixed_precision="fp16", cpu=True, keep_norms_fp32=False)
     model = accelerator.prepare(tiny_bert)
-    assert len(model.bert.embeddings.LayerNorm._forward_pre_hooks) == 0
+    assert not is_fp32_island(model.bert.embeddings.LayerNorm)
 
 
 # --------------------------------------------------------------------------------------------
