@@ -20,12 +20,14 @@ __all__ = [
     "DynamicLossScaler",
     "export_fp16",
     "install_scaler",
+    "keep_in_fp32",
     "keep_norms_in_fp32",
 ]
 
 _WHERE = {
     "DynamicLossScaler": "amp_trainer.scaler",
     "keep_norms_in_fp32": "amp_trainer.precision",
+    "keep_in_fp32": "amp_trainer.precision",
     "AmpAccelerator": "amp_trainer.accelerate_hooks",
     "install_scaler": "amp_trainer.accelerate_hooks",
     "AmpTrainer": "amp_trainer.trainer",
@@ -37,7 +39,7 @@ _WHERE = {
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.accelerate_hooks import AmpAccelerator, install_scaler
     from amp_trainer.export import export_fp16
-    from amp_trainer.precision import keep_norms_in_fp32
+    from amp_trainer.precision import keep_in_fp32, keep_norms_in_fp32
     from amp_trainer.scaler import DynamicLossScaler
     from amp_trainer.trainer import AmpTrainer, AmpTrainerMixin, AmpTrainingArguments
 

@@ -55,8 +55,7 @@ from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.doctor import FP16_MAX, OverflowProbe
 from amp_trainer.precision import (
     _remove_island,
-    is_fp32_island,
-    is_norm_module,
+    fp32_islands,
     keep_in_fp32,
     keep_norms_in_fp32,
 )
@@ -357,18 +356,6 @@ def _fp32_weight_share(model: nn.Module) -> float:
         total += param.numel()
         fp32 += param.numel() if param.dtype == torch.float32 else 0
     return fp32 / total if total else 0.0
-
-
-def _model_islands(model: nn.Module) -> list[str]:
-    """The model's own FP32 islands other than norms: from training (``fp32_modules``,
-    ``_keep_in_fp32_modules``, the forward-overflow fallback) or a user's keep_in_fp32()."""
-    outermost: list[str] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(o + ".") for o in outermost):
-            continue
-        if is_fp32_island(module) and not is_norm_module(module):
-            outermost.append(name)
-    return outermost
 
 
 def _enclosing_called(name: str, called: set[str]) -> str:
@@ -798,7 +785,7 @@ def export_fp16(
     norms = keep_norms_in_fp32(fp16) if keep_norms_fp32 else []
     # Islands the model came with (trained with fp32_modules, _keep_in_fp32_modules or the
     # forward-overflow fallback) stay FP32, with the modules tied to them.
-    own = _model_islands(fp16)
+    own = fp32_islands(fp16)
     own = keep_in_fp32(fp16, [_exactly(name) for name in own]) if own else []
     _restore_fp32_weights(fp16, source_model, [*norms, *own])
     guarded: list[str] = []
