@@ -35,7 +35,8 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from amp_trainer.precision import keep_norms_in_fp32, resolve_precision
+from amp_trainer.forward_overflow import ForwardOverflow, ForwardOverflowGuard, check_policy
+from amp_trainer.precision import apply_fp32_policy, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler
 
 __all__ = ["AmpAccelerator", "deepspeed_fp16_config", "install_scaler"]
@@ -176,6 +177,11 @@ class AmpAccelerator(Accelerator):
             (``{"init_scale": 2.0**12, "hysteresis": 2}``), or ``None`` for the defaults (and
             the values of a ``GradScalerKwargs`` handler, if one is passed).
         keep_norms_fp32: keep normalisation layers in FP32 in the models ``prepare()`` sees.
+        fp32_modules: more modules ``prepare()`` keeps in FP32 (names, dotted suffixes, globs;
+            see :func:`~amp_trainer.precision.keep_in_fp32`), on top of the model's own
+            ``_keep_in_fp32_modules``.
+        on_forward_overflow: ``"fp32"``, ``"raise"`` or ``"skip"``: what
+            :meth:`check_forward_overflow` does about a module whose FP16 output overflows.
         *args, **kwargs: as :class:`accelerate.Accelerator`; ``mixed_precision`` may also come
             from ``ACCELERATE_MIXED_PRECISION`` or an ``accelerate config`` file, as there.
     """
@@ -185,8 +191,13 @@ class AmpAccelerator(Accelerator):
         *args: Any,
         loss_scaler: DynamicLossScaler | Mapping[str, Any] | None = None,
         keep_norms_fp32: bool = True,
+        fp32_modules: Iterable[str] | str = (),
+        on_forward_overflow: str = "fp32",
         **kwargs: Any,
     ) -> None:
+        self.fp32_modules = [fp32_modules] if isinstance(fp32_modules, str) else list(fp32_modules)
+        self.on_forward_overflow = check_policy(on_forward_overflow)
+        self._forward_overflow: ForwardOverflowGuard | None = None
         if kwargs.get("mixed_precision") == "auto":
             device = "cpu" if kwargs.get("cpu") else None
             resolved = resolve_precision("auto", device)
@@ -252,14 +263,54 @@ class AmpAccelerator(Accelerator):
         # Norm hooks go on before DDP wraps the model. Not under FSDP: its flat/sharded
         # parameters must not be re-cast behind its back (use its MixedPrecision policy).
         if (
-            self.keep_norms_fp32
-            and self._amp_precision in ("fp16", "bf16")
+            self._amp_precision in ("fp16", "bf16")
             and self.distributed_type != DistributedType.FSDP
         ):
-            keep_norms_in_fp32(model)
+            apply_fp32_policy(
+                model, self._amp_precision, norms=self.keep_norms_fp32, modules=self.fp32_modules
+            )
+        scaler = self.loss_scaler
+        if scaler is not None and scaler.is_enabled() and self.on_forward_overflow != "skip":
+            # Made now, so that it knows the scale the first step runs with.
+            self._forward_overflow = ForwardOverflowGuard(
+                model, scaler, policy=self.on_forward_overflow
+            )
         return super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )
+
+    def check_forward_overflow(
+        self, loss: torch.Tensor, batch: Any, model: torch.nn.Module | None = None
+    ) -> ForwardOverflow | None:
+        """Call after ``optimizer.step()``: handle a forward overflow, as AmpTrainer does itself.
+
+        ``loss`` and ``batch`` are the micro-batch's (call it after every ``backward``; on
+        accumulation steps it only remembers them). Free on clean steps; on a skipped step whose
+        loss was already non-finite it names the module, keeps it in FP32 (or raises, per
+        ``on_forward_overflow``) and puts back the loss scale. See
+        :class:`~amp_trainer.forward_overflow.ForwardOverflowGuard`; ``model`` defaults to the
+        one prepared model.
+        """
+        scaler = self.loss_scaler
+        if scaler is None or not scaler.is_enabled() or self.on_forward_overflow == "skip":
+            return None
+        if model is None:
+            if len(self._models) != 1:
+                raise ValueError(
+                    f"check_forward_overflow() needs model=... when {len(self._models)} models "
+                    "are prepared"
+                )
+            model = self._models[0]
+        model = self.unwrap_model(model)
+        guard = self._forward_overflow
+        if guard is None or guard.model is not model:
+            guard = self._forward_overflow = ForwardOverflowGuard(
+                model, scaler, policy=self.on_forward_overflow
+            )
+        if not self.sync_gradients:
+            guard.observe(loss, batch)
+            return None
+        return guard.after_step(loss, batch)
 
     def _raw_optimizers(self, optimizer: Any) -> list[torch.optim.Optimizer]:
         if optimizer is None:

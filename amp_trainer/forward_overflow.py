@@ -298,13 +298,23 @@ class ForwardOverflowGuard:
         device_type = self._device_type(inputs)
         # The re-run must not move the training run's RNG (dropout masks of later steps).
         devices = [torch.cuda.current_device()] if device_type == "cuda" else []
-        with (
-            torch.random.fork_rng(devices=devices),
-            torch.no_grad(),
-            OverflowProbe(self.model, limit=math.inf) as probe,
-            torch.autocast(device_type, dtype=self.dtype, enabled=fp16),
-        ):
-            output = self.forward(self.model, inputs)
+        # Accelerate's prepare() wraps the model's own forward in an FP16 autocast (and keeps
+        # the original as _original_forward): the FP32 run must bypass that wrapper.
+        wrapped = self.model.__dict__.get("forward")
+        original = self.model.__dict__.get("_original_forward")
+        try:
+            if not fp16 and wrapped is not None and original is not None:
+                self.model.forward = original
+            with (
+                torch.random.fork_rng(devices=devices),
+                torch.no_grad(),
+                OverflowProbe(self.model, limit=math.inf) as probe,
+                torch.autocast(device_type, dtype=self.dtype, enabled=fp16),
+            ):
+                output = self.forward(self.model, inputs)
+        finally:
+            if wrapped is not None:
+                self.model.forward = wrapped
         return probe.first, all_finite(output)
 
     def _check_fp32(self, inputs: Any, culprit: str | None) -> None:

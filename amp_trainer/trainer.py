@@ -39,6 +39,7 @@ Only public Trainer surface is overridden (checked against transformers 5.24):
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import os
@@ -52,10 +53,13 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
+from amp_trainer.forward_overflow import ForwardOverflowGuard, check_policy
 from amp_trainer.precision import (
+    apply_fp32_policy,
     cast_trainable_params_to_fp32,
-    keep_norms_in_fp32,
+    recorded_fp32_islands,
     resolve_precision,
+    restore_fp32_islands,
 )
 from amp_trainer.scaler import DynamicLossScaler
 
@@ -138,6 +142,21 @@ class AmpTrainingArguments(TrainingArguments):
             "overflowing parameters, 'warn' and keep skipping, or 'clamp' silently."
         },
     )
+    fp32_modules: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Modules kept in fp32 (parameters and arithmetic) under fp16/bf16: qualified "
+            "names, dotted suffixes ('wo') or globs; added to the model's _keep_in_fp32_modules."
+        },
+    )
+    on_forward_overflow: Literal["fp32", "raise", "skip"] = field(
+        default="fp32",
+        metadata={
+            "help": "fp16: what a module whose forward output overflows (loss already inf/NaN) "
+            "does: 'fp32' keep it in fp32 from then on and train on, 'raise' LossScaleError "
+            "naming it, 'skip' skip the step and back the scale off like a gradient overflow."
+        },
+    )
 
     def __post_init__(self) -> None:
         # Resolve before TrainingArguments.__post_init__, which derives mixed_precision (and so
@@ -151,6 +170,9 @@ class AmpTrainingArguments(TrainingArguments):
         # which would run `accelerate launch`'s fp16 under an explicit precision="fp32".
         self.mixed_precision = {"fp16": "fp16", "bf16": "bf16"}.get(self.precision, "no")
         self.loss_scaler_kwargs()  # validate the knobs now, not at the first optimizer step
+        check_policy(self.on_forward_overflow)
+        if isinstance(self.fp32_modules, str):
+            self.fp32_modules = [self.fp32_modules]
 
     def _resolve_precision(self) -> str:
         requested = self.precision
@@ -255,6 +277,8 @@ class _LossScaleMonitor(TrainerCallback):
         scaler = self._trainer.loss_scaler
         if scaler is None:
             return
+        if self._trainer._forward_overflow is not None:
+            self._trainer._forward_overflow.after_step()  # work only on skipped steps
         skipped = scaler.step_was_skipped
         step = state.global_step + 1  # global_step is incremented right after this event
         self._trainer.scale_history.append(
@@ -299,6 +323,7 @@ class AmpTrainerMixin:
         self.loss_scaler: DynamicLossScaler | None = None
         self.scale_history: list[dict[str, Any]] = []
         self._last_step_skipped = False
+        self._forward_overflow: ForwardOverflowGuard | None = None
         super().__init__(*args, **kwargs)
         self.callback_handler.callbacks.insert(0, _LossScaleMonitor(self))
 
@@ -355,10 +380,39 @@ class AmpTrainerMixin:
                     len(cast),
                     cast[0],
                 )
-        if getattr(self.args, "keep_norms_fp32", True):
-            keep_norms_in_fp32(model)
+        apply_fp32_policy(
+            model,
+            self.precision,
+            norms=getattr(self.args, "keep_norms_fp32", True),
+            modules=getattr(self.args, "fp32_modules", ()),
+        )
         if self.loss_scaler is not None:
             self.loss_scaler.watch(model)
+            policy = getattr(self.args, "on_forward_overflow", "fp32")
+            guard = self._forward_overflow
+            if policy != "skip" and (guard is None or guard.model is not model):
+                self._forward_overflow = ForwardOverflowGuard(
+                    model, self.loss_scaler, policy=policy
+                )
+
+    def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if self._forward_overflow is not None:
+            self._forward_overflow.observe(loss, inputs)  # no sync; read only on skipped steps
+        return loss
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # The FP32 islands the run had added are in the checkpoint's config.json: put them back.
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        config = os.path.join(resume_from_checkpoint, "config.json")
+        if self.precision != "fp32" and os.path.isfile(config):
+            with open(config, encoding="utf-8") as handle:
+                names = recorded_fp32_islands(json.load(handle))
+            if names and self.model is not None:
+                restore_fp32_islands(self.model, names)
+                guard = self._forward_overflow
+                if guard is not None:
+                    guard.islands = list(dict.fromkeys([*names, *guard.islands]))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         # The model trained may differ from the one at __init__ (model_init, hyperparameter
@@ -376,6 +430,8 @@ class AmpTrainerMixin:
             logs["loss_scale"] = self.loss_scaler.get_scale()
             logs["skipped_steps"] = self.loss_scaler.stats.skipped
             logs["step_skipped"] = int(self._last_step_skipped)
+            if self._forward_overflow is not None:
+                logs["fp32_islands_added"] = len(self._forward_overflow.islands)
         super().log(logs, start_time)
 
 
