@@ -58,6 +58,8 @@ from amp_trainer.precision import (
     fp32_islands,
     keep_in_fp32,
     keep_norms_in_fp32,
+    recorded_fp32_islands,
+    restore_fp32_islands,
 )
 
 __all__ = [
@@ -785,8 +787,9 @@ def export_fp16(
     norms = keep_norms_in_fp32(fp16) if keep_norms_fp32 else []
     # Islands the model came with (trained with fp32_modules, _keep_in_fp32_modules or the
     # forward-overflow fallback) stay FP32, with the modules tied to them.
-    own = fp32_islands(fp16)
-    own = keep_in_fp32(fp16, [_exactly(name) for name in own]) if own else []
+    # A model loaded from a folder has them in its config (AmpTrainer records them there).
+    own = [*fp32_islands(fp16), *recorded_fp32_islands(getattr(fp16, "config", None))]
+    own = restore_fp32_islands(fp16, own) if own else []
     _restore_fp32_weights(fp16, source_model, [*norms, *own])
     guarded: list[str] = []
     tied: list[str] = []

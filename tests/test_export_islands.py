@@ -1,0 +1,66 @@
+"""FP16 export and FP32 islands: tied weights, islands a model was trained with, nothing partial."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import make_tiny_bert, make_tiny_gpt2
+from safetensors import safe_open
+
+from amp_trainer import export_fp16, keep_in_fp32
+from amp_trainer.export import load_fp16_export
+from amp_trainer.precision import ISLANDS_CONFIG_KEY, is_fp32_island, record_fp32_islands
+
+
+def gpt2_whose_block0_mlp_overflows():
+    """Block 0's MLP output is > 65504 on every token of any batch (finite in FP32)."""
+    model = make_tiny_gpt2()
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_proj.weight.mul_(2e7)
+    return model
+
+
+def test_the_gpt2_test_model_overflows_fp16_on_every_token():
+    model = gpt2_whose_block0_mlp_overflows()
+    seen = {}
+    model.transformer.h[0].mlp.register_forward_hook(lambda m, a, out: seen.update(out=out))
+    with torch.no_grad():
+        logits = model(input_ids=torch.randint(0, 128, (8, 16))).logits
+    assert seen["out"].abs().amax(-1).min() > 65504
+    assert torch.isfinite(logits).all()
+
+
+def test_gpt2_with_tied_weights_and_an_overflowing_block_exports_with_consistent_islands(tmp_path):
+    report = export_fp16(gpt2_whose_block0_mlp_overflows(), tmp_path / "out")
+
+    assert report.passed and report.written, report.to_markdown()
+    assert report.overflow_guarded_modules == ["transformer"]
+    assert report.fp32_islands == ["lm_head"]  # shares transformer.wte.weight: FP32 as well
+    assert any("weights stay FP32" in note for note in report.notes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging left behind
+    reloaded = load_fp16_export(tmp_path / "out")
+    assert is_fp32_island(reloaded.transformer) and is_fp32_island(reloaded.lm_head)
+    with torch.no_grad():
+        logits = reloaded(input_ids=torch.randint(0, 128, (2, 8))).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_islands_a_model_was_trained_with_are_kept_fp32_in_the_export(tmp_path):
+    model = make_tiny_bert()
+    keep_in_fp32(model, "bert.pooler.dense")  # as fp32_modules / the fallback would
+    record_fp32_islands(model)
+    model.save_pretrained(tmp_path / "trained")  # the config carries the island
+    assert json.loads((tmp_path / "trained" / "config.json").read_text())[ISLANDS_CONFIG_KEY] == [
+        "bert.pooler.dense"
+    ]
+    for source in (model, tmp_path / "trained"):
+        out = tmp_path / f"export-{len(list(tmp_path.iterdir()))}"
+        report = export_fp16(source, out)
+        assert report.written and report.fp32_islands == ["bert.pooler.dense"]
+        with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+            assert handle.get_tensor("bert.pooler.dense.weight").dtype == torch.float32
+            assert handle.get_tensor("bert.encoder.layer.0.output.dense.weight").dtype == (
+                torch.float16
+            )
+        assert is_fp32_island(load_fp16_export(out).bert.pooler.dense)
