@@ -375,17 +375,17 @@ class _Fp32Island:
             if input_dtype is not None:
                 args, kwargs = _cast_floats(args, _F32), _cast_floats(kwargs, _F32)
             return self._cast_back(self._forward(args, kwargs), input_dtype, False)
-        if input_dtype is not _F32 and input_dtype is not None:
-            if not kwargs and len(args) == 1:
-                args = (first.float(),)  # type: ignore[union-attr]
-            else:
-                args, kwargs = _cast_floats(args, _F32), _cast_floats(kwargs, _F32)
+        # The casts too run with autocast off: every op dispatched under autocast pays for it.
         _set_autocast_enabled(device_type, False)
         try:
-            output = self._forward(args, kwargs)
+            if input_dtype is not _F32 and input_dtype is not None:
+                if not kwargs and len(args) == 1:
+                    args = (first.float(),)  # type: ignore[union-attr]
+                else:
+                    args, kwargs = _cast_floats(args, _F32), _cast_floats(kwargs, _F32)
+            return self._cast_back(self._forward(args, kwargs), input_dtype, True)
         finally:
             _set_autocast_enabled(device_type, True)
-        return self._cast_back(output, input_dtype, True)
 
     def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The same region as one ``with`` block: what dynamo traces (it cannot trace
