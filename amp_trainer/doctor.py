@@ -545,9 +545,10 @@ def _fp16_layer_diagnosis(
         )
     else:
         fix = (
-            f"Keep {culprit!r} in FP32: run its forward outside autocast with FP32 inputs "
-            "(wrap it in torch.autocast(device_type, enabled=False) and .float() its inputs; "
-            "module.float() alone is not enough, autocast would cast it back to FP16). Or rescale "
+            f"Keep {culprit!r} in FP32: amp_trainer.keep_in_fp32(model, [{culprit!r}]), or "
+            f"fp32_modules=[{culprit!r}] in AmpTrainingArguments / AmpAccelerator (AmpTrainer's "
+            "default on_forward_overflow='fp32' does it by itself at the first overflowing step). "
+            "module.float() alone is not enough: autocast would cast it back to FP16. Or rescale "
             "its weights/inputs, or train in bf16 (FP32's exponent range, no loss scaling)."
         )
     grads = ""
