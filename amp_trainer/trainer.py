@@ -25,14 +25,21 @@ overflow step logs no ``grad_norm: inf``, the overflowing parameters are named a
 with every checkpoint (Trainer saves ``accelerator.scaler.state_dict()`` as ``scaler.pt``; that
 object is our scaler).
 
+A forward overflow (the unscaled loss already inf/NaN) is told from a gradient overflow on
+skipped steps and handled by :mod:`amp_trainer.forward_overflow` (``on_forward_overflow``): by
+default the module that overflowed becomes an FP32 island, named in one warning, recorded in
+``model.config`` (so checkpoints carry it) and restored on resume.
+
 ``global_step`` still counts optimizer step *attempts*, skipped ones included, as in stock Trainer
 (``max_steps``, ``save_steps`` and ``logging_steps`` keep their meaning); skipped steps are
 recorded rather than hidden.
 
 Only public Trainer surface is overridden (checked against transformers 5.24):
 ``create_accelerator_and_postprocess`` (install the scaler before ``prepare``), ``create_optimizer``
-(precision policy on the model actually trained), ``log`` (scaler fields) and the
-``model_accepts_loss_kwargs`` attribute; the skip rule itself is stock Trainer's
+(precision policy on the model actually trained), ``log`` (scaler fields), ``training_step``
+(remembers each micro-batch's loss for the forward-overflow check, no sync) and the
+``model_accepts_loss_kwargs`` attribute; one private method, ``_load_from_checkpoint`` (FP32
+islands back from the checkpoint's config.json); the skip rule itself is stock Trainer's
 (``lr_scheduler.step()`` unless ``accelerator.optimizer_step_was_skipped``), made truthful.
 """
 
