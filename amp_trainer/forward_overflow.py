@@ -194,20 +194,67 @@ class ForwardOverflowGuard:
             self.observe(loss, inputs)
         pending, self._pending = self._pending, []
         scale_before, self._scale = self._scale, self.scaler.get_scale()
-        if self.policy == "skip" or not self.scaler.step_was_skipped or not pending:
+        if self.policy == "skip" or not self.scaler.step_was_skipped:
             return None
-        # The one read-back, on skipped steps only.
-        finite = torch.stack([torch.isfinite(value.float()).all() for value, _ in pending]).cpu()
-        bad = [inputs for (_, inputs), ok in zip(pending, finite.tolist()) if not ok]
-        if not bad:
+        bad: list[Any] = []
+        if pending:
+            # The one read-back, on skipped steps only.
+            finite = torch.stack([torch.isfinite(v.float()).all() for v, _ in pending]).cpu()
+            bad = [inputs for (_, inputs), ok in zip(pending, finite.tolist()) if not ok]
+        group = self._group()
+        if group is not False:
+            # Every rank must agree (same scale, same islands): one flag, MAX over the ranks.
+            if not _any_rank(bool(bad), group):
+                return None
+        elif not bad:
             return None  # a gradient overflow: the scaler's backoff was right
         if self.scaler.get_scale() < scale_before:
             # Loss scaling cannot fix a forward overflow: undo the backoff it caused.
             self.scaler.update(new_scale=scale_before)
             self._scale = scale_before
-        event = self._handle(bad[0])
+        if group is False:
+            event = self._handle(bad[0])
+        else:
+            event = self._handle_on_every_rank(bad[0] if bad else None, group)
         self.events.append(event)
         return event
+
+    def _group(self) -> Any:
+        """The process group to agree over, ``None`` for the default one; False when alone."""
+        import torch.distributed as dist
+
+        group = self.scaler.process_group
+        if not dist.is_available() or not dist.is_initialized():
+            return False
+        return group if dist.get_world_size(group) > 1 else False
+
+    def _handle_on_every_rank(self, inputs: Any, group: Any) -> ForwardOverflow:
+        """Ranks whose batch overflowed find the module; all ranks then make the same islands
+        (or raise the same error), so the replicas stay identical."""
+        import torch.distributed as dist
+
+        local: tuple[str | None, list[str], str | None, str | None] = (None, [], None, None)
+        if inputs is not None:
+            try:
+                found = self._handle(inputs)
+                local = (found.module, list(found.islands), None, None)
+            except (NonFiniteForwardError, LossScaleError) as err:
+                local = (None, [], type(err).__name__, str(err))
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+        for _, _, kind, message in gathered:
+            if kind is not None:
+                raise (LossScaleError if kind == "LossScaleError" else NonFiniteForwardError)(
+                    message
+                )
+        module = next((m for m, _, _, _ in gathered if m is not None), None)
+        union = list(dict.fromkeys(name for _, names, _, _ in gathered for name in names))
+        missing = [name for name in union if name not in self.islands]
+        if missing:
+            keep_in_fp32(self.model, [_exactly(name) for name in missing])
+            record_fp32_islands(self.model)
+            self.islands.extend(missing)
+        return ForwardOverflow(self._steps, module, tuple(union), self.policy)
 
     # ----------------------------------------------------------------------------------------
     def _handle(self, inputs: Any) -> ForwardOverflow:
@@ -338,3 +385,12 @@ class ForwardOverflowGuard:
         names = [n for n in state.get("islands", []) if isinstance(n, str)]
         restore_fp32_islands(self.model, names)
         self.islands = list(dict.fromkeys([*self.islands, *names]))
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    import torch.distributed as dist
+
+    device = "cpu" if dist.get_backend(group) == "gloo" else torch.cuda.current_device()
+    value = torch.tensor(float(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
