@@ -737,7 +737,9 @@ def keep_norms_in_fp32(model: nn.Module) -> list[str]:
         # already runs everything inside it in FP32.
         if is_norm_module(module) and not any(_inside(name, outer) for outer in norms):
             norms.append(name)
-    _make_islands(model, named, norms, "input")
+    if norms:
+        exact = re.compile("|".join(re.escape(name) for name in norms))
+        keep_in_fp32(model, exact, autocast_output="input")
     return norms
 
 
