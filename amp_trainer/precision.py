@@ -1,4 +1,4 @@
-"""Precision policy: what precision a device runs, its autocast, and FP32 islands for norms.
+"""Precision policy: what precision a device runs, its autocast, and FP32 islands.
 
 Three decisions every mixed-precision run makes, made once here so the scaler, the Accelerate
 hooks, the Trainer and the exporter agree:
@@ -10,9 +10,12 @@ hooks, the Trainer and the exporter agree:
 * :func:`autocast_for` is the matching forward-pass context. autocast and the loss scaler must be
   switched on and off together: autocast alone silently loses small gradients, a scaler alone is
   wasted work.
-* :func:`keep_norms_in_fp32` keeps normalisation layers (LayerNorm, RMSNorm, BatchNorm, GroupNorm,
-  InstanceNorm) in FP32, parameters *and* arithmetic, whatever autocast or ``.half()`` say: their
-  mean/variance reductions are where FP16 loses the most. :func:`check_trainable_params_fp32` and
+* :func:`keep_in_fp32` makes modules FP32 islands: FP32 parameters *and* arithmetic, whatever
+  autocast or ``.half()`` say. The one mechanism behind :func:`keep_norms_in_fp32` (norm layers:
+  their mean/variance reductions are where FP16 loses the most), the ``fp32_modules`` option,
+  transformers' ``_keep_in_fp32_modules`` (:func:`apply_fp32_policy` gathers them), the
+  trainer's forward-overflow fallback (:mod:`amp_trainer.forward_overflow`) and the FP16
+  exporter's overflow guard. :func:`check_trainable_params_fp32` and
   :func:`cast_trainable_params_to_fp32` enforce the other half of the contract: the weights the
   optimizer updates (master weights) are FP32.
 
@@ -293,10 +296,11 @@ class _Fp32Island:
     One object per island, a top-level class rather than a closure so that the model still
     pickles and deep-copies (the reference to its module follows the copy). It replaces the
     module's ``forward`` rather than adding forward hooks: a module with hooks goes through
-    ``nn.Module``'s slow call path, and one hook pair cost about 29 us of host time per
-    ``LayerNorm`` call; this costs a few. It also keeps the whole region in one ``try`` (autocast
-    is restored when the forward raises) and in one ``with`` block under ``torch.compile``, the
-    form dynamo can trace. Forward hooks of the module see what its callers pass and get.
+    ``nn.Module``'s slow call path: the earlier hook pair cost 16-36 us of host time per
+    ``LayerNorm(768)`` call, this 3-10 (``scripts/bench_islands.py``). It also keeps the whole
+    region in one ``try`` (autocast is restored when the forward raises) and in one ``with`` block
+    under ``torch.compile``, the form dynamo can trace. Forward hooks of the module see what its
+    callers pass and get.
     """
 
     def __init__(self, module: nn.Module, forward: Any, autocast_output: str) -> None:
