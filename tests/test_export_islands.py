@@ -64,3 +64,27 @@ def test_islands_a_model_was_trained_with_are_kept_fp32_in_the_export(tmp_path):
                 torch.float16
             )
         assert is_fp32_island(load_fp16_export(out).bert.pooler.dense)
+
+
+def test_a_model_trained_by_amptrainer_exports_with_the_island_training_added(tmp_path):
+    from test_trainer_support import ToyClassification, amp_args
+
+    from amp_trainer import AmpTrainer
+
+    model = make_tiny_bert()
+    culprit = "bert.encoder.layer.0.intermediate.dense"
+    with torch.no_grad():  # FP16 activations past 65504 there, finite in FP32
+        model.get_submodule(culprit).weight.mul_(5e5)
+    trainer = AmpTrainer(
+        model=model,
+        args=amp_args(tmp_path / "run", max_steps=2),
+        train_dataset=ToyClassification(),
+    )
+    trainer.train()
+    assert is_fp32_island(model.get_submodule(culprit))  # the fallback added it
+
+    report = export_fp16(model, tmp_path / "out", min_top1_agreement=None, max_rel_error=None)
+    assert report.written
+    assert culprit in report.fp32_islands
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as handle:
+        assert handle.get_tensor(f"{culprit}.weight").dtype == torch.float32
