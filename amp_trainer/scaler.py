@@ -36,7 +36,11 @@ __all__ = ["DynamicLossScaler", "LossScaleError", "ScalerStats"]
 logger = logging.getLogger(__name__)
 
 _ON_MIN_SCALE = ("raise", "warn", "clamp")
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+# The floor when min_scale is not given (lowered to init_scale when that is smaller).
+_DEFAULT_MIN_SCALE = 1.0
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # smallest subnormal
 # How many parameter names an error message or log line lists before "and N more".
 _NAMES_SHOWN = 8
 
@@ -88,6 +92,22 @@ def _positive_finite(name: str, value: Any) -> float:
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return value
+
+
+def _scale_value(name: str, value: Any) -> float:
+    """A positive finite number that stays positive and finite once stored as float32."""
+    value = _positive_finite(name, value)
+    if not 0.0 < _f32(value) < math.inf:
+        raise ValueError(
+            f"{name} must be representable in float32, where the scale is stored: between "
+            f"{_F32_TINY!r} and {_F32_MAX!r}, got {value!r}"
+        )
+    return value
+
+
+def _upper(max_scale: float | None) -> float:
+    """``max_scale`` as a number: no bound is float32's largest value (growth never hits inf)."""
+    return _F32_MAX if max_scale is None else max_scale
 
 
 def _int_at_least_one(name: str, value: Any) -> int:
@@ -159,8 +179,8 @@ class DynamicLossScaler:
         *,
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
         on_min_scale: str = "raise",
         process_group: Any = None,
     ) -> None:
@@ -179,6 +199,11 @@ class DynamicLossScaler:
         )
         self.process_group = process_group
         self._param_names: dict[int, str] = {}
+        # scale() calls so far, and their count when each optimizer last unscaled: an optimizer
+        # whose gradients appear with no scale() call since its last step was fed a plain
+        # backward (see unscale_). Two integer operations per step: free on clean steps.
+        self._scale_calls = 0
+        self._scale_calls_at_unscale: dict[int, int] = {}
         self._reset_counters()
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(self._fresh_optimizer_state)
         # Device tensors (scale and its reciprocal) are created lazily on first use, per device,
@@ -198,12 +223,16 @@ class DynamicLossScaler:
         growth_interval: int,
         hysteresis: int,
         consecutive_hysteresis: bool,
-        min_scale: float,
-        max_scale: float,
+        min_scale: float | None,
+        max_scale: float | None,
         on_min_scale: str,
     ) -> None:
-        """Validate every knob before touching any attribute, so a bad value changes nothing."""
-        init_scale = _positive_finite("init_scale", init_scale)
+        """Validate every knob before touching any attribute, so a bad value changes nothing.
+
+        Bounds are compared in float32, as the scale is stored: a scale clamped to
+        ``min_scale=0.7`` is the float32 0.699999988..., and must still count as inside.
+        """
+        init_scale = _scale_value("init_scale", init_scale)
         growth_factor = _positive_finite("growth_factor", growth_factor)
         if growth_factor <= 1.0:
             raise ValueError(f"growth_factor must be > 1.0, got {growth_factor!r}")
@@ -214,17 +243,23 @@ class DynamicLossScaler:
             )
         growth_interval = _int_at_least_one("growth_interval", growth_interval)
         hysteresis = _int_at_least_one("hysteresis", hysteresis)
-        min_scale = _positive_finite("min_scale", min_scale)
-        max_scale = _positive_finite("max_scale", max_scale)
-        if min_scale > max_scale:
+        min_is_default = min_scale is None
+        if min_scale is None:
+            # torch accepts any positive init_scale (1e-4 included); a default floor above it
+            # would refuse that. The floor is 1.0, or where the user started if lower.
+            min_scale = min(_DEFAULT_MIN_SCALE, init_scale)
+        min_scale = _scale_value("min_scale", min_scale)
+        if max_scale is not None:
+            max_scale = _scale_value("max_scale", max_scale)
+            if _f32(min_scale) > _f32(max_scale):
+                raise ValueError(
+                    f"min_scale must be <= max_scale, got min_scale={min_scale!r} > "
+                    f"max_scale={max_scale!r}"
+                )
+        if not _f32(min_scale) <= _f32(init_scale) <= _f32(_upper(max_scale)):
             raise ValueError(
-                f"min_scale must be <= max_scale, got min_scale={min_scale!r} > "
-                f"max_scale={max_scale!r}"
-            )
-        if not min_scale <= init_scale <= max_scale:
-            raise ValueError(
-                f"init_scale must lie in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}], "
-                f"got {init_scale!r}"
+                f"init_scale must lie in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}] "
+                f"(compared in float32), got {init_scale!r}"
             )
         if on_min_scale not in _ON_MIN_SCALE:
             raise ValueError(f"on_min_scale must be one of {_ON_MIN_SCALE}, got {on_min_scale!r}")
@@ -239,6 +274,7 @@ class DynamicLossScaler:
         self._hysteresis_tracker = hysteresis
         self._consecutive_hysteresis = bool(consecutive_hysteresis)
         self._min_scale = min_scale
+        self._min_scale_is_default = min_is_default
         self._max_scale = max_scale
         self._on_min_scale = on_min_scale
 
@@ -391,6 +427,7 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return outputs
+        self._scale_calls += 1
         if isinstance(outputs, torch.Tensor):
             return outputs * self._device_tensors(outputs.device)[0]
         if isinstance(outputs, (list, tuple)):
@@ -442,6 +479,8 @@ class DynamicLossScaler:
                         param.grad = param.grad.coalesce()
                     values = self._grad_values(param)
                     groups[values.device][values.dtype].append(values)
+            if groups and self._scale_calls == self._scale_calls_at_unscale.get(id(optimizer), 0):
+                self._raise_unscaled_gradients(optimizer)
             if half_grads:
                 raise ValueError(
                     "Attempting to unscale FP16 gradients of "
@@ -463,9 +502,26 @@ class DynamicLossScaler:
 
         state["found_inf"] = overflow
         state["stage"] = _Stage.UNSCALED
+        self._scale_calls_at_unscale[id(optimizer)] = self._scale_calls
         if overflow and (self._param_names or self._at_min_scale()):
             # Attribution runs only here, on overflow steps: clean steps pay nothing for it.
             self._last_overflow_params = self._non_finite_params(optimizer)
+
+    def _raise_unscaled_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients came from a backward that bypassed :meth:`scale`: refuse to divide them.
+
+        What we can see: no ``scale()`` call at all since this optimizer last unscaled (or ever).
+        What we cannot: a plain ``loss.backward()`` in an iteration that also scaled another loss,
+        or stale gradients left from an earlier step without ``zero_grad()``.
+        """
+        raise RuntimeError(
+            f"The optimizer holds gradients but scaler.scale() was not called since its last "
+            f"step: they were never multiplied by the loss scale {self._scale:g} (a plain "
+            "loss.backward()?), and dividing them by it would apply an update "
+            f"{self._scale:g}x too small. Use scaler.scale(loss).backward() "
+            "(accelerator.backward(loss) under Accelerate), or DynamicLossScaler(enabled=False) "
+            "for unscaled training."
+        )
 
     def _reduce_found_inf(self, found: list[torch.Tensor]) -> bool:
         if found:
@@ -560,7 +616,7 @@ class DynamicLossScaler:
     # the scale policy
     # ----------------------------------------------------------------------------------------
     def _at_min_scale(self) -> bool:
-        return self._scale <= self._min_scale
+        return self._scale <= _f32(self._min_scale)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Grow, back off or hold the scale after this iteration's steps; then start the next.
@@ -578,11 +634,14 @@ class DynamicLossScaler:
                         f"new_scale must hold one element, got shape {tuple(new_scale.shape)}"
                     )
                 new_scale = float(new_scale.item())
-            value = _positive_finite("new_scale", new_scale)
-            if not self._min_scale <= value <= self._max_scale:
+            value = _scale_value("new_scale", new_scale)
+            if self._min_scale_is_default and _f32(value) < _f32(self._min_scale):
+                # Like init_scale: a scale the user sets by hand lowers the default floor.
+                self._min_scale = value
+            if not _f32(self._min_scale) <= _f32(value) <= _f32(_upper(self._max_scale)):
                 raise ValueError(
                     f"new_scale must lie in [min_scale, max_scale] = [{self._min_scale!r}, "
-                    f"{self._max_scale!r}], got {value!r}"
+                    f"{self._max_scale!r}] (the bounds this scaler was built with), got {value!r}"
                 )
             self._scale = _f32(value)
             self._per_optimizer.clear()
@@ -615,8 +674,9 @@ class DynamicLossScaler:
             self._growth_tracker = 0
             self._hysteresis_tracker = self._hysteresis
             grown = _f32(self._scale * self._growth_factor)
-            grown = min(grown, _f32(self._max_scale))
-            # Like torch, never grow into inf; at max_scale there is nothing to grow.
+            if self._max_scale is not None:
+                grown = min(grown, _f32(self._max_scale))
+            # Like torch, never grow into float32's inf; at max_scale there is nothing to grow.
             if math.isfinite(grown) and grown > self._scale:
                 self._scale = grown
                 self._growths += 1
@@ -682,6 +742,7 @@ class DynamicLossScaler:
             "consecutive_hysteresis": self._consecutive_hysteresis,
             "_hysteresis_tracker": self._hysteresis_tracker,
             "min_scale": self._min_scale,
+            "min_scale_is_default": self._min_scale_is_default,
             "max_scale": self._max_scale,
             "on_min_scale": self._on_min_scale,
             "steps": self._steps,
@@ -727,8 +788,14 @@ class DynamicLossScaler:
             "growth_interval": get("growth_interval", self._growth_interval),
             "hysteresis": get("hysteresis", self._hysteresis),
             "consecutive_hysteresis": get("consecutive_hysteresis", self._consecutive_hysteresis),
+            # torch's state dicts carry no bounds: keep ours, widened to hold torch's scale.
             "min_scale": get("min_scale", min(self._min_scale, _positive_finite("scale", scale))),
-            "max_scale": get("max_scale", max(self._max_scale, _positive_finite("scale", scale))),
+            "max_scale": get(
+                "max_scale",
+                None
+                if self._max_scale is None
+                else max(self._max_scale, _positive_finite("scale", scale)),
+            ),
             "on_min_scale": get("on_min_scale", self._on_min_scale),
         }
         counters = {
@@ -754,6 +821,14 @@ class DynamicLossScaler:
                 f"got {hysteresis_tracker}"
             )
 
+        min_is_default = get(
+            "min_scale_is_default", self._min_scale_is_default and "min_scale" not in state_dict
+        )
+        if not isinstance(min_is_default, bool):
+            raise TypeError(
+                f"scaler state 'min_scale_is_default' must be a bool, got {min_is_default!r}"
+            )
+
         names = state_dict.get("last_overflow_params", [])
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
             raise TypeError(
@@ -770,6 +845,7 @@ class DynamicLossScaler:
             )
 
         self._configure(**cfg)
+        self._min_scale_is_default = min_is_default
         self._scale = _f32(float(scale))
         self._growth_tracker = counters["_growth_tracker"]
         self._hysteresis_tracker = hysteresis_tracker
@@ -797,13 +873,23 @@ class DynamicLossScaler:
         return self._device_type
 
     def __getstate__(self) -> dict[str, Any]:
-        # Device tensors, per-iteration optimizer states and the process group are runtime-only:
+        # Mid-iteration (after unscale_/step, before update) the copy could not know which
+        # gradients are already unscaled and would divide them again: refuse, as torch does.
+        if self._enabled and any(
+            s["stage"] is not _Stage.READY for s in self._per_optimizer.values()
+        ):
+            raise RuntimeError(
+                "A DynamicLossScaler may only be pickled or deep-copied at the beginning of an "
+                "iteration or after scaler.update(), not between unscale_()/step() and update()."
+            )
+        # Device tensors, the process group and everything keyed by object id are runtime-only:
         # a pickled scaler (e.g. sent to a worker) starts its next iteration fresh.
         state = self.__dict__.copy()
         state["_device_cache"] = {}
         state["_per_optimizer"] = defaultdict(self._fresh_optimizer_state)
         state["process_group"] = None
         state["_param_names"] = {}
+        state["_scale_calls_at_unscale"] = {}
         return state
 
     def __repr__(self) -> str:
@@ -813,5 +899,5 @@ class DynamicLossScaler:
             f"{type(self).__name__}(scale={self._scale:g}, growth_factor={self._growth_factor:g}, "
             f"backoff_factor={self._backoff_factor:g}, growth_interval={self._growth_interval}, "
             f"hysteresis={self._hysteresis}, min_scale={self._min_scale:g}, "
-            f"max_scale={self._max_scale:g}, on_min_scale={self._on_min_scale!r})"
+            f"max_scale={self._max_scale!r}, on_min_scale={self._on_min_scale!r})"
         )
