@@ -12,9 +12,16 @@ what long FP16 fine-tuning runs need and torch's scaler does not have:
 * telemetry (:attr:`stats`) and overflow attribution by parameter name (:meth:`watch`);
 * a checkpointable state that is plain numbers (``torch.load(weights_only=True)``-safe).
 
-Where torch's behaviour is right we match it exactly: with ``hysteresis=1`` and no bound hit, the
-scale after every :meth:`update` and every skip decision equal ``torch.amp.GradScaler``'s (the
-scale is kept as the float32 value torch's 1-element tensor would hold).
+Where torch's behaviour is right we match it exactly: with the default arguments the scale after
+every :meth:`update` and every skip decision equal ``torch.amp.GradScaler``'s, for any run length
+(the scale is kept as the float32 value torch's 1-element tensor would hold, and never grows into
+inf), until an overflow at ``min_scale`` (default 1.0), where torch silently keeps halving and we
+raise :class:`LossScaleError`. Bounds (``min_scale``/``max_scale``) are compared in float32, so
+every state the scaler writes loads back into a scaler built with the same arguments.
+
+What the scaler refuses, loudly, where torch would silently do the wrong thing: unscaling
+gradients when no :meth:`scale` call happened since the optimizer's last step (a plain
+``loss.backward()``: the update would be S times too small), and pickling mid-iteration.
 """
 
 from __future__ import annotations
@@ -158,8 +165,12 @@ class DynamicLossScaler:
             ``1`` is torch's behaviour.
         consecutive_hysteresis: refill the tolerance on every clean step instead (DeepSpeed's
             option), so only N overflows *in a row* back off.
-        min_scale: the scale never goes below this.
-        max_scale: the scale never grows above this.
+        min_scale: the scale never goes below this; an overflow there is handled by
+            ``on_min_scale``. ``None`` (default): 1.0, or ``init_scale`` if that is lower (a scale
+            set below it by ``update(new_scale)`` lowers it too), so every ``init_scale`` torch
+            accepts works. torch has no floor: it keeps halving, silently, towards 0.
+        max_scale: the scale never grows above this. ``None`` (default): unbounded, like torch
+            (growth stops only where the next scale would be float32's inf).
         on_min_scale: what an overflow at ``min_scale`` does once hysteresis is spent:
             ``"raise"`` a :class:`LossScaleError` naming the offending parameters, ``"warn"`` once
             per overflow streak and keep skipping, ``"clamp"`` keep skipping silently.
