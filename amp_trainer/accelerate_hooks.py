@@ -25,15 +25,19 @@ knobs as DeepSpeed's ``"fp16"`` config section instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Iterable, Mapping
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType
+from accelerate.utils import SCALER_NAME, DistributedType
 
 from amp_trainer.precision import keep_norms_in_fp32, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler
@@ -257,9 +261,23 @@ class AmpAccelerator(Accelerator):
             and self.distributed_type != DistributedType.FSDP
         ):
             keep_norms_in_fp32(model)
+        self._watch(model)
         return super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )
+
+    def _watch(self, model: torch.nn.Module) -> None:
+        """Name the model's parameters in overflow reports, as AmpTrainer does.
+
+        Before DDP wraps it, so names carry no ``module.`` prefix. The second and later models get
+        Accelerate's checkpoint names as prefix (``model_1.``), so a GAN's G and D stay apart.
+        """
+        scaler = self.loss_scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        index = len(self._models)
+        prefix = f"model_{index}." if index else ""
+        scaler.watch((prefix + name, param) for name, param in model.named_parameters())
 
     def _raw_optimizers(self, optimizer: Any) -> list[torch.optim.Optimizer]:
         if optimizer is None:
@@ -299,11 +317,106 @@ class AmpAccelerator(Accelerator):
         scaler = self.loss_scaler
         if scaler is not None and scaler.is_enabled():
             parameters = list(parameters)
+            # Every optimizer is unscaled, as upstream: update() then decides the scale on all of
+            # them, as torch's scaler does. Whether to clip follows only the optimizers that own
+            # these parameters: a GAN's clean G is clipped (and stepped) while D overflows.
             self.unscale_gradients()
-            if any(scaler.found_inf(opt) for opt in self._raw_optimizers(None)):
+            if any(scaler.found_inf(opt) for opt in self._owners(parameters)):
                 device = parameters[0].device if parameters else self.device
                 return torch.full((), math.inf, device=device)
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def _owners(self, parameters: list[torch.Tensor]) -> list[torch.optim.Optimizer]:
+        """The prepared optimizers holding any of ``parameters`` (all of them if none does)."""
+        wanted = {id(p) for p in parameters}
+        optimizers = self._raw_optimizers(None)
+        owners = [
+            opt
+            for opt in optimizers
+            if any(id(p) in wanted for group in opt.param_groups for p in group["params"])
+        ]
+        return owners or optimizers
+
+    # ----------------------------------------------------------------------------------------
+    # checkpoints that stock Accelerate and torch's GradScaler read, and that we read from them
+    # ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _scaler_set_to(self, scaler: Any) -> Iterator[None]:
+        # Accelerate's save/load read self.scaler; the prepared optimizers keep their own
+        # reference, so swapping it for the duration of one call changes nothing else.
+        saved = self.scaler
+        self.scaler = scaler
+        try:
+            yield
+        finally:
+            self.scaler = saved
+
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
+    ) -> str:
+        """As upstream; a disabled (bf16/fp32) scaler writes no ``scaler.pt``, as stock does.
+
+        Patched: upstream saves ``accelerator.scaler`` whenever it is not ``None``, which would
+        write our pass-through scaler's ``{}``, a file torch's ``GradScaler`` refuses to load.
+        """
+        scaler = self.loss_scaler
+        keep = self.scaler if scaler is None or scaler.is_enabled() else None
+        with self._scaler_set_to(keep):
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
+    ) -> None:
+        """As upstream, and resumes any checkpoint stock Accelerate wrote.
+
+        Patched: upstream loads ``scaler.pt`` whenever ``accelerator.scaler`` is set, so resuming
+        a bf16/fp32 checkpoint (no ``scaler.pt``) dies with ``FileNotFoundError``. Here a bf16/fp32
+        run ignores any ``scaler.pt``; an fp16 run loads ours or torch's, and without one starts a
+        fresh scaler and says so once.
+        """
+        scaler = self.loss_scaler
+        if scaler is None:
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        folder = self._checkpoint_folder(input_dir)
+        has_state = folder is not None and (folder / SCALER_NAME).is_file()
+        use = scaler
+        if not scaler.is_enabled():
+            use = None
+            if has_state:
+                logger.warning(
+                    "%s holds loss-scaler state from an fp16 run; this run is %s and uses no "
+                    "loss scaling, so it is dropped.",
+                    folder / SCALER_NAME,
+                    self._amp_precision,
+                )
+        elif folder is not None and not has_state:
+            use = None
+            logger.warning(
+                "%s has no %s (a bf16/fp32 checkpoint, or stock Accelerate without a scaler): "
+                "resuming fp16 with a fresh loss scaler at scale %g; expect a few skipped steps "
+                "while it settles.",
+                folder,
+                SCALER_NAME,
+                scaler.get_scale(),
+            )
+        with self._scaler_set_to(use):
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+
+    def _checkpoint_folder(self, input_dir: str | None) -> Path | None:
+        """The folder ``Accelerator.load_state`` will read (``None``: it will raise itself)."""
+        if input_dir is not None:
+            folder = Path(os.path.expanduser(input_dir))
+            return folder if folder.is_dir() else None
+        if not self.project_configuration.automatic_checkpoint_naming:
+            return None
+        # Accelerate 1.15's rule: the checkpoints/ folder whose name ends in the largest number.
+        root = Path(self.project_dir) / "checkpoints"
+        numbered = [
+            (int(m.group(1)), child)
+            for child in (root.iterdir() if root.is_dir() else ())
+            if (m := re.search(r"([0-9]+)[^/]*$", child.name))
+        ]
+        return max(numbered)[1] if numbered else None
 
 
 def _power_of_two_exponent(value: float) -> int:

@@ -215,6 +215,7 @@ class DynamicLossScaler:
         # backward (see unscale_). Two integer operations per step: free on clean steps.
         self._scale_calls = 0
         self._scale_calls_at_unscale: dict[int, int] = {}
+        self._carried = False  # per-optimizer states kept across update() (see update())
         self._reset_counters()
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(self._fresh_optimizer_state)
         # Device tensors (scale and its reciprocal) are created lazily on first use, per device,
@@ -302,7 +303,8 @@ class DynamicLossScaler:
     @staticmethod
     def _fresh_optimizer_state() -> dict[str, Any]:
         # A staticmethod rather than a lambda: lambdas don't pickle, and neither would the scaler.
-        return {"stage": _Stage.READY, "found_inf": None}
+        # "counted": whether an update() has already acted on this verdict (see update()).
+        return {"stage": _Stage.READY, "found_inf": None, "counted": False}
 
     # ----------------------------------------------------------------------------------------
     # torch.amp.GradScaler-compatible accessors
@@ -439,6 +441,8 @@ class DynamicLossScaler:
         if not self._enabled:
             return outputs
         self._scale_calls += 1
+        if self._carried:
+            self._drop_carried()
         if isinstance(outputs, torch.Tensor):
             return outputs * self._device_tensors(outputs.device)[0]
         if isinstance(outputs, (list, tuple)):
@@ -448,6 +452,12 @@ class DynamicLossScaler:
         raise ValueError(
             f"scale() expects a Tensor or an iterable of Tensors, got {type(outputs).__name__}"
         )
+
+    def _drop_carried(self) -> None:
+        """A new backward begins: unscaled-but-never-stepped states from before are stale."""
+        for key in [k for k, s in self._per_optimizer.items() if s["counted"]]:
+            del self._per_optimizer[key]
+        self._carried = False
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale and decide whether this step overflowed.
@@ -526,9 +536,10 @@ class DynamicLossScaler:
         or stale gradients left from an earlier step without ``zero_grad()``.
         """
         raise RuntimeError(
-            f"The optimizer holds gradients but scaler.scale() was not called since its last "
-            f"step: they were never multiplied by the loss scale {self._scale:g} (a plain "
-            "loss.backward()?), and dividing them by it would apply an update "
+            "The optimizer holds gradients but scaler.scale() was not called since they were "
+            "last unscaled (or ever): they were never multiplied by the loss scale "
+            f"{self._scale:g} (a plain loss.backward()?), and dividing them by it would apply an "
+            "update "
             f"{self._scale:g}x too small. Use scaler.scale(loss).backward() "
             "(accelerator.backward(loss) under Accelerate), or DynamicLossScaler(enabled=False) "
             "for unscaled training."
@@ -656,18 +667,34 @@ class DynamicLossScaler:
                 )
             self._scale = _f32(value)
             self._per_optimizer.clear()
+            self._carried = False
             return
 
-        verdicts = [
-            s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None
-        ]
-        if not verdicts:
+        states = self._per_optimizer
+        if not any(s["found_inf"] is not None for s in states.values()):
             raise RuntimeError(
                 "update() found no inf checks recorded since the last update(): call "
                 "scaler.step(optimizer) (or unscale_) for each optimizer before update()."
             )
-        overflow = any(verdicts)
-        self._per_optimizer.clear()
+        verdicts = [s["found_inf"] for s in states.values() if s["found_inf"] is not None]
+        fresh = [s["found_inf"] for s in states.values() if s.get("counted") is False]
+        # Accelerate steps and updates one optimizer at a time. An optimizer unscaled (to clip)
+        # but not stepped yet keeps its unscaled gradients and verdict for its own step(), so
+        # they are not divided twice; its verdict counts in this update only (as in torch, the
+        # scale backs off once). A new backward (the next scale() call) drops what is left.
+        carried = {
+            key: {**s, "counted": True}
+            for key, s in states.items()
+            if s["stage"] is _Stage.UNSCALED
+        }
+        states.clear()
+        states.update(carried)
+        self._carried = bool(carried)
+        if not fresh and verdicts:
+            # Only verdicts an earlier update() already acted on: nothing new to decide.
+            self._step_was_skipped = any(verdicts)
+            return
+        overflow = any(fresh)
         self._steps += 1
         self._step_was_skipped = overflow
         if overflow:
@@ -867,6 +894,7 @@ class DynamicLossScaler:
         self._overflow_streak = counters["overflow_streak"]
         self._last_overflow_params = tuple(names)
         self._per_optimizer.clear()
+        self._carried = False
         self._device_cache.clear()
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
@@ -901,6 +929,7 @@ class DynamicLossScaler:
         state["process_group"] = None
         state["_param_names"] = {}
         state["_scale_calls_at_unscale"] = {}
+        state["_carried"] = False
         return state
 
     def __repr__(self) -> str:

@@ -332,8 +332,9 @@ def test_torch_scenario_scaled_training_matches_unscaled_control(ctor, kwargs, p
                 scaler = pickle.loads(pickle.dumps(scaler))
         return scaler
 
-    _run_scaling_case(run, unskipped=3, skipped=1, atol=1e-5, optimizer_ctor=ctor,
-                      optimizer_kwargs=kwargs)  # fmt: skip
+    _run_scaling_case(
+        run, unskipped=3, skipped=1, atol=1e-5, optimizer_ctor=ctor, optimizer_kwargs=kwargs
+    )
 
 
 def test_torch_scenario_clipping_scaled_grads_with_a_scaled_threshold():
