@@ -643,7 +643,9 @@ class DynamicLossScaler:
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Grow, back off or hold the scale after this iteration's steps; then start the next.
 
-        ``new_scale`` sets the scale by hand (within ``[min_scale, max_scale]``), as in torch.
+        ``new_scale`` sets the scale by hand, as in torch: any positive value float32 can hold;
+        explicit ``min_scale``/``max_scale`` refuse values outside them, the default floor moves
+        down to a lower ``new_scale``.
         Must come after :meth:`step` for every optimizer used this iteration, or backoff lags a
         step behind the overflow that caused it.
         """
@@ -751,7 +753,7 @@ class DynamicLossScaler:
             "cannot fix this: the values are inf/NaN before scaling. Next triage step: rerun the "
             "same batch in pure FP32 (`amp-trainer doctor`): if it is NaN there too, the bug is in "
             "the model, data or learning rate; if not, keep the overflowing module in FP32 or "
-            "switch to bf16."
+            "switch to bf16 (or, to let the scale go lower, pass a smaller min_scale)."
         )
         if self._on_min_scale == "raise":
             raise LossScaleError(message)
