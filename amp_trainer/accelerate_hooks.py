@@ -378,7 +378,7 @@ class AmpAccelerator(Accelerator):
         if scaler is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
         folder = self._checkpoint_folder(input_dir)
-        has_state = folder is not None and (folder / SCALER_NAME).is_file()
+        has_state = folder is not None and _holds_scaler_state(folder / SCALER_NAME)
         use = scaler
         if not scaler.is_enabled():
             use = None
@@ -392,7 +392,8 @@ class AmpAccelerator(Accelerator):
         elif folder is not None and not has_state:
             use = None
             logger.warning(
-                "%s has no %s (a bf16/fp32 checkpoint, or stock Accelerate without a scaler): "
+                "%s has no %s state (a bf16/fp32 checkpoint, or stock Accelerate without a "
+                "scaler): "
                 "resuming fp16 with a fresh loss scaler at scale %g; expect a few skipped steps "
                 "while it settles.",
                 folder,
@@ -417,6 +418,17 @@ class AmpAccelerator(Accelerator):
             if (m := re.search(r"([0-9]+)[^/]*$", child.name))
         ]
         return max(numbered)[1] if numbered else None
+
+
+def _holds_scaler_state(path: Path) -> bool:
+    """Whether ``path`` is a scaler.pt with something in it.
+
+    Earlier AmpAccelerator versions wrote ``{}`` (a disabled scaler's state) in bf16/fp32 runs;
+    such a file means "no scaler state", as a missing one does.
+    """
+    if not path.is_file():
+        return False
+    return bool(torch.load(path, weights_only=True))
 
 
 def _power_of_two_exponent(value: float) -> int:

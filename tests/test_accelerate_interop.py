@@ -122,6 +122,20 @@ def test_amp_accelerator_fp16_resuming_a_checkpoint_without_scaler_state_warns_o
     assert ours.loss_scaler.get_scale() == 65536.0 and ours.loss_scaler.stats.steps == 0
 
 
+def test_an_empty_scaler_pt_from_an_earlier_bf16_run_counts_as_no_scaler_state(tmp_path, caplog):
+    stock = Accelerator(mixed_precision="no", cpu=True)
+    _train(stock, *_prepared(stock))
+    stock.save_state(tmp_path)
+    torch.save({}, tmp_path / "scaler.pt")  # what AmpAccelerator wrote in bf16/fp32 before
+    reset_accelerate_state()
+
+    ours = AmpAccelerator(mixed_precision="fp16", cpu=True)
+    _prepared(ours, seed=1)
+    with caplog.at_level(logging.WARNING, logger="amp_trainer"):
+        ours.load_state(tmp_path)
+    assert "fresh loss scaler" in caplog.text and ours.loss_scaler.get_scale() == 65536.0
+
+
 def test_automatic_checkpoint_naming_finds_the_latest_stock_checkpoint_without_scaler_pt(tmp_path):
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
     stock = Accelerator(mixed_precision="no", cpu=True, project_config=config)
