@@ -71,7 +71,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
     growth_interval=st.integers(1, 4),
     growth_factor=st.sampled_from([2.0, 1.5, 3.0, 1.0001, 4.7]),
     backoff_factor=st.sampled_from([0.5, 0.25, 0.3, 0.9999, 0.71]),
-    init_scale=st.sampled_from([2.0**16, 1.0, 3.3, 12345.678]),
+    init_scale=st.sampled_from([2.0**16, 1.0, 3.3, 12345.678, 2.0**32, 1e38]),
     poison=st.sampled_from([math.inf, -math.inf, math.nan]),
 )
 def test_scale_and_skips_match_torch_grad_scaler(
@@ -83,7 +83,7 @@ def test_scale_and_skips_match_torch_grad_scaler(
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
     )
-    ours = DynamicLossScaler("cpu", **knobs, min_scale=1e-30, max_scale=1e30)
+    ours = DynamicLossScaler("cpu", **knobs, min_scale=1e-30)  # no cap (the default), as torch
     theirs = torch.amp.GradScaler("cpu", **knobs)
     # (Before its first use torch reports the unrounded init_scale; from then on, float32.)
     models = [_model(), _model()]
