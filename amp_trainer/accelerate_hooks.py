@@ -17,7 +17,11 @@ captures the scaler at wrap time) and fix the places where upstream Accelerate i
 * ``unscale_gradients()`` twice in one step (an explicit call, then ``clip_grad_norm_``) raises
   upstream; here it unscales each optimizer once per step and is a no-op after that.
 * ``clip_grad_norm_`` on an overflow step returns ``inf`` and leaves the (discarded) gradients
-  alone instead of multiplying infs by zero.
+  alone instead of multiplying infs by zero; "overflow" is that of the optimizers owning the
+  parameters, so a GAN's clean generator is clipped while its discriminator overflows.
+* ``save_state``/``load_state`` move checkpoints both ways with stock Accelerate: no empty
+  ``scaler.pt`` in bf16/fp32, and checkpoints without one (or with torch's) resume.
+* ``prepare(model)`` calls ``scaler.watch(model)``, so overflows name parameters in plain loops.
 
 DeepSpeed runs its own loss scaler inside its engine: :func:`deepspeed_fp16_config` writes our
 knobs as DeepSpeed's ``"fp16"`` config section instead.
