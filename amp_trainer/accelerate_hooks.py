@@ -161,7 +161,10 @@ class AmpAccelerator(Accelerator):
       (:func:`~amp_trainer.precision.keep_norms_in_fp32`) unless ``keep_norms_fp32=False``;
     * a skipped step is a skipped step for every optimizer kind, so the prepared scheduler holds
       its learning rate and :attr:`optimizer_step_was_skipped` tells the truth;
-    * ``mixed_precision="auto"`` picks fp16 on CUDA, bf16 where the hardware has it, else fp32.
+    * ``mixed_precision="auto"`` picks fp16 on CUDA, bf16 where the hardware has it, else fp32;
+    * ``prepare(model)`` watches the model (overflow reports name its parameters);
+    * ``save_state``/``load_state`` read and write stock Accelerate's checkpoints, in every
+      precision, with or without ``scaler.pt`` (torch's or ours).
 
     Example::
 
