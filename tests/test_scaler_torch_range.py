@@ -479,3 +479,93 @@ def test_torch_scenario_fp16_autocast_training_matches_fp32_control():
             _plain_or_scaled_step(scaler, model, optimizer, loss, i, skip_iter, try_scaling_api)
 
     _run_scaling_case(run, unskipped=3, skipped=1, atol=1e-2)
+
+
+def test_torch_scenario_update_scale_grows_every_interval_and_backs_off():
+    """torch's test_grad_scaling_update_scale, through update() instead of the private kernel."""
+    scaler = DynamicLossScaler(
+        "cpu", init_scale=4.0, growth_factor=2.0, backoff_factor=0.25, growth_interval=2
+    )
+    params, opts = _pair()
+    _param_step(scaler, params[0], opts[0], poison=False)
+    assert scaler.get_scale() == 4.0 and scaler.state_dict()["_growth_tracker"] == 1
+    _param_step(scaler, params[0], opts[0], poison=False)
+    assert scaler.get_scale() == 8.0 and scaler.state_dict()["_growth_tracker"] == 0
+    _param_step(scaler, params[0], opts[0], poison=True)
+    assert scaler.get_scale() == 2.0 and scaler.state_dict()["_growth_tracker"] == 0
+
+
+@pytest.mark.parametrize("initialised", [False, True])
+def test_torch_scenario_load_state_dict_overwrites_every_knob(initialised):
+    """torch's test_grad_scaling_state_dict, with and without the scale tensor created first."""
+    s0 = DynamicLossScaler(
+        "cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2
+    )
+    s1 = DynamicLossScaler(
+        "cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1
+    )
+    if initialised:
+        s1.scale(torch.full((1,), 4.0))
+    s1.load_state_dict(s0.state_dict())
+    assert s1.get_scale() == 3.0
+    assert s1.get_growth_factor() == 4.0
+    assert s1.get_backoff_factor() == 0.5
+    assert s1.get_growth_interval() == 2
+    assert s1.state_dict()["_growth_tracker"] == 0
+    assert s1.scale(torch.ones(())).item() == 3.0
+
+
+def _sparse_embedding_step(
+    scaler, init_rows: torch.Tensor, indices: list[int], poison=None, weight: float = 1.0
+):
+    emb = nn.Embedding(init_rows.shape[0], init_rows.shape[1], sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(init_rows)
+    opt = torch.optim.SGD(emb.parameters(), lr=1.0)
+    scaler.scale(emb(torch.tensor(indices)).sum() * weight).backward()
+    assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
+    if poison is not None:
+        emb.weight.grad._values()[0, 0] = poison
+    scaler.step(opt)
+    scaler.update()
+    return emb.weight.detach()
+
+
+@pytest.mark.parametrize("poison", [None, math.inf, math.nan])
+def test_torch_scenario_sparse_gradients_are_unscaled_and_checked(poison):
+    """torch's test_grad_scaling_unscale_sparse, on a real sparse Embedding gradient."""
+    rows = torch.zeros(3, 2)
+    scaler = DynamicLossScaler("cpu", init_scale=4.0)
+    weight = _sparse_embedding_step(scaler, rows, [0, 2, 0], poison)
+    assert scaler.step_was_skipped is (poison is not None)
+    if poison is None:  # true gradient: row 0 seen twice, row 2 once; lr 1
+        assert torch.equal(weight, torch.tensor([[-2.0, -2.0], [0.0, 0.0], [-1.0, -1.0]]))
+    else:
+        assert torch.equal(weight, rows)
+
+
+def test_sparse_duplicates_whose_sum_overflows_are_skipped_where_torch_steps_into_inf():
+    """The README's "sparse duplicates" row: torch checks FP32 sparse values before summing them.
+
+    Each occurrence's gradient is a finite 2e38; the gradient they stand for (their sum) is inf.
+    """
+    rows = torch.zeros(2, 1)
+    theirs = torch.amp.GradScaler("cpu", init_scale=1.0)
+    assert torch.isinf(_sparse_embedding_step(theirs, rows, [0, 0], weight=2e38)).any()
+    ours = DynamicLossScaler("cpu", init_scale=1.0, min_scale=0.25)
+    assert torch.equal(_sparse_embedding_step(ours, rows, [0, 0], weight=2e38), rows)
+    assert ours.step_was_skipped and ours.get_scale() == 0.5
+
+
+def test_a_sparse_gradient_is_checked_as_the_dense_gradient_it_stands_for():
+    """Scaled duplicates summing past float32 are an overflow of the scaled gradient: back off."""
+    rows = torch.zeros(2, 1)
+    ours = DynamicLossScaler("cpu", init_scale=2e38)
+    assert torch.equal(_sparse_embedding_step(ours, rows, [0, 0]), rows)
+    assert ours.step_was_skipped and ours.get_scale() == pytest.approx(1e38)
+    dense = DynamicLossScaler("cpu", init_scale=2e38)
+    param = torch.zeros(1, requires_grad=True)
+    dense.scale((param * 2.0).sum()).backward()  # the same gradient, 2 x 2e38, held densely
+    dense.step(torch.optim.SGD([param], lr=1.0))
+    dense.update()
+    assert dense.step_was_skipped and dense.get_scale() == ours.get_scale()
