@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import inspect
 
+import deepspeed.runtime.fp16.loss_scaler as deepspeed_loss_scaler
 import pytest
 import torch
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler as DeepSpeedLossScaler
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from amp_trainer.accelerate_hooks import deepspeed_fp16_config
-from amp_trainer.scaler import DynamicLossScaler
+from amp_trainer.scaler import DynamicLossScaler, LossScaleError
 from amp_trainer.trainer import AmpTrainingArguments
 
 
@@ -92,3 +95,48 @@ def test_deepspeed_grows_one_clean_step_later_the_first_time_as_documented():
         our_scales.append(ours.get_scale())
     assert our_scales == [16.0, 16.0, 32.0, 32.0, 32.0, 64.0, 64.0, 64.0, 128.0, 128.0]
     assert ds_scales == [16.0, 16.0, 16.0, 32.0, 32.0, 32.0, 64.0, 64.0, 64.0, 128.0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pattern=st.text(alphabet=".x", min_size=1, max_size=40),
+    hysteresis=st.integers(1, 3),
+    consecutive=st.booleans(),
+)
+def test_the_same_knobs_back_off_the_same_under_deepspeeds_own_scaler(
+    pattern, hysteresis, consecutive
+):
+    """Hysteresis, consecutive hysteresis, backoff and the error at the minimum, step by step.
+
+    (Growth is compared above; here the window is long enough that the scale never grows.)
+    """
+    knobs = dict(
+        init_scale=2.0**6, growth_interval=1000, hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive, min_scale=4.0,
+    )  # fmt: skip
+    ours = DynamicLossScaler("cpu", **knobs)
+    param = torch.zeros(2, requires_grad=True)
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    with pytest.MonkeyPatch.context() as patch:
+        # DeepSpeed's scaler asks its comm layer for the rank only to decide who logs.
+        patch.setattr(deepspeed_loss_scaler.dist, "get_rank", lambda: 0)
+        theirs = DeepSpeedLossScaler(**_parsed(deepspeed_fp16_config(**knobs)))
+        for step, mark in enumerate(pattern):
+            overflow = mark == "x"
+            try:
+                theirs.update_scale(overflow)
+                deepspeed_raised = False
+            except Exception as err:  # DeepSpeed raises a bare Exception at its minimum
+                assert "minimum" in str(err)
+                deepspeed_raised = True
+            optimizer.zero_grad()
+            ours.scale(param.sum()).backward()
+            if overflow:
+                param.grad[0] = float("inf")
+            ours.step(optimizer)
+            if deepspeed_raised:
+                with pytest.raises(LossScaleError):
+                    ours.update()
+                return
+            ours.update()
+            assert ours.get_scale() == theirs.cur_scale, f"step {step}"
