@@ -210,9 +210,9 @@ class DynamicLossScaler:
         )
         self.process_group = process_group
         self._param_names: dict[int, str] = {}
-        # scale() calls so far, and their count when each optimizer last unscaled: an optimizer
-        # whose gradients appear with no scale() call since its last step was fed a plain
-        # backward (see unscale_). Two integer operations per step: free on clean steps.
+        # scale() calls so far, and their count when each optimizer last unscaled: gradients
+        # that appear with no scale() call since then came from a plain backward (see unscale_).
+        # One integer increment per scale() and one compare per unscale_(): free on clean steps.
         self._scale_calls = 0
         self._scale_calls_at_unscale: dict[int, int] = {}
         self._carried = False  # per-optimizer states kept across update() (see update())
@@ -679,7 +679,9 @@ class DynamicLossScaler:
                 "scaler.step(optimizer) (or unscale_) for each optimizer before update()."
             )
         verdicts = [s["found_inf"] for s in states.values() if s["found_inf"] is not None]
-        fresh = [s["found_inf"] for s in states.values() if s.get("counted") is False]
+        fresh = [
+            v for s in states.values() if (v := s["found_inf"]) is not None and not s["counted"]
+        ]
         # Accelerate steps and updates one optimizer at a time. An optimizer unscaled (to clip)
         # but not stepped yet keeps its unscaled gradients and verdict for its own step(), so
         # they are not divided twice; its verdict counts in this update only (as in torch, the
@@ -921,7 +923,8 @@ class DynamicLossScaler:
         ):
             raise RuntimeError(
                 "A DynamicLossScaler may only be pickled or deep-copied at the beginning of an "
-                "iteration or after scaler.update(), not between unscale_()/step() and update()."
+                "iteration or after scaler.update(), not between unscale_()/step() and update() "
+                "(nor while an optimizer unscaled before another's update() awaits its step())."
             )
         # Device tensors, the process group and everything keyed by object id are runtime-only:
         # a pickled scaler (e.g. sent to a worker) starts its next iteration fresh.

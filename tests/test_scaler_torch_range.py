@@ -256,6 +256,35 @@ def test_two_optimizers_stepped_after_one_update_each_are_not_mistaken_for_unsca
     assert scaler.stats.steps == 6 and scaler.stats.skipped == 0
 
 
+@pytest.mark.parametrize("b_overflows", [False, True])
+def test_an_optimizer_unscaled_before_anothers_update_is_unscaled_once_and_counted_once(
+    b_overflows,
+):
+    """Accelerate's order: unscale (clip) both, then step+update A, then step+update B."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 1), nn.Linear(3, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    scaler = DynamicLossScaler("cpu", init_scale=8.0)
+    x = torch.ones(2, 3)
+    scaler.scale(a(x).sum() + b(x).sum()).backward()
+    if b_overflows:
+        b.weight.grad[0, 0] = math.inf
+    scaler.unscale_(opt_a)
+    scaler.unscale_(opt_b)
+    true_grads = [p.grad.clone() for p in b.parameters()]
+    b_before = [p.detach().clone() for p in b.parameters()]
+    for opt in (opt_a, opt_b):
+        scaler.step(opt)
+        scaler.update()
+    if not b_overflows:
+        assert all(torch.equal(p.grad, g) for p, g in zip(b.parameters(), true_grads))
+        assert true_grads[1].item() == 2.0  # d(sum)/d(bias) over two rows: divided by 8 once
+    assert scaler.get_scale() == (4.0 if b_overflows else 8.0)  # one backoff at most
+    assert scaler.stats.steps == 1 and scaler.stats.skipped == int(b_overflows)
+    b_unchanged = all(torch.equal(p, q) for p, q in zip(b.parameters(), b_before))
+    assert b_unchanged is b_overflows
+
+
 # --------------------------------------------------------------------------------------------
 # torch's own scenarios (test/test_cuda.py), on CPU, against our public API
 # --------------------------------------------------------------------------------------------
