@@ -51,6 +51,15 @@ def test_every_init_scale_torch_accepts_is_accepted_and_stored_as_torch_stores_i
     assert ours.get_scale() == theirs.get_scale()
 
 
+def test_before_the_first_scale_call_get_scale_is_already_float32_where_torchs_is_not():
+    """The README row: torch reports the unrounded init_scale until its scale tensor exists."""
+    ours = DynamicLossScaler("cpu", init_scale=3.3)
+    theirs = torch.amp.GradScaler("cpu", init_scale=3.3)
+    assert theirs.get_scale() == 3.3 and ours.get_scale() == torch.tensor(3.3).item()
+    theirs.scale(torch.ones(()))
+    assert theirs.get_scale() == ours.get_scale()
+
+
 def test_growth_from_1e38_stops_below_inf_as_in_torch():
     """torch's test_grad_scale_will_not_overflow: growth_factor 16 from 1e38 must not reach inf."""
     results = []
