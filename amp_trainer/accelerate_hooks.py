@@ -389,7 +389,7 @@ class AmpAccelerator(Accelerator):
         use = scaler
         if not scaler.is_enabled():
             use = None
-            if has_state:
+            if has_state and self.is_main_process:  # one line per run, not one per rank
                 logger.warning(
                     "%s holds loss-scaler state from an fp16 run; this run is %s and uses no "
                     "loss scaling, so it is dropped.",
@@ -398,15 +398,15 @@ class AmpAccelerator(Accelerator):
                 )
         elif folder is not None and not has_state:
             use = None
-            logger.warning(
-                "%s has no %s state (a bf16/fp32 checkpoint, or stock Accelerate without a "
-                "scaler): "
-                "resuming fp16 with a fresh loss scaler at scale %g; expect a few skipped steps "
-                "while it settles.",
-                folder,
-                SCALER_NAME,
-                scaler.get_scale(),
-            )
+            if self.is_main_process:
+                logger.warning(
+                    "%s has no %s state (a bf16/fp32 checkpoint, or stock Accelerate without a "
+                    "scaler): resuming fp16 with a fresh loss scaler at scale %g; expect a few "
+                    "skipped steps while it settles.",
+                    folder,
+                    SCALER_NAME,
+                    scaler.get_scale(),
+                )
         with self._scaler_set_to(use):
             return super().load_state(input_dir, load_kwargs, **kwargs)
 
@@ -417,7 +417,8 @@ class AmpAccelerator(Accelerator):
             return folder if folder.is_dir() else None
         if not self.project_configuration.automatic_checkpoint_naming:
             return None
-        # Accelerate 1.15's rule: the checkpoints/ folder whose name ends in the largest number.
+        # Accelerate 1.15's rule: under checkpoints/, the folder whose name holds the largest
+        # (first) number.
         root = Path(self.project_dir) / "checkpoints"
         numbered = [
             (int(m.group(1)), child)
