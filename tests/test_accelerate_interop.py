@@ -213,11 +213,11 @@ def test_amp_accelerator_fp16_checkpoint_loads_in_stock_accelerate_with_torchs_g
 # --------------------------------------------------------------------------------------------
 # several optimizers: a GAN loop, ours vs stock Accelerate with torch's scaler
 # --------------------------------------------------------------------------------------------
-def _gan_run(accelerator: Accelerator, max_norm: float = 1e-3, poison_at: int = 2):
+def _gan_run(accelerator: Accelerator, make_opt=None, max_norm: float = 1e-3, poison_at: int = 2):
+    make_opt = make_opt or (lambda params: torch.optim.SGD(params, lr=0.5))
     torch.manual_seed(0)
     gen, disc = nn.Linear(3, 4), nn.Linear(4, 1)
-    g_opt = torch.optim.SGD(gen.parameters(), lr=0.5)
-    d_opt = torch.optim.SGD(disc.parameters(), lr=0.5)
+    g_opt, d_opt = make_opt(gen.parameters()), make_opt(disc.parameters())
     gen, disc, g_opt, d_opt = accelerator.prepare(gen, disc, g_opt, d_opt)
     trace = []
     for it in range(4):
@@ -247,14 +247,24 @@ def _gan_run(accelerator: Accelerator, max_norm: float = 1e-3, poison_at: int = 
     return trace
 
 
-def test_gan_loop_clips_and_steps_the_clean_generator_while_the_discriminator_overflows():
-    stock = _gan_run(_stock_fp16_with_torch_scaler(init_scale=1024.0))
+@pytest.mark.parametrize(
+    "make_opt",
+    [None, lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True)],
+    ids=["sgd", "adamw_fused"],
+)
+def test_gan_loop_clips_and_steps_the_clean_generator_while_the_discriminator_overflows(
+    make_opt,
+):
+    stock = _gan_run(_stock_fp16_with_torch_scaler(init_scale=1024.0), make_opt)
     reset_accelerate_state()
     ours = _gan_run(
-        AmpAccelerator(mixed_precision="fp16", cpu=True, loss_scaler={"init_scale": 1024.0})
+        AmpAccelerator(mixed_precision="fp16", cpu=True, loss_scaler={"init_scale": 1024.0}),
+        make_opt,
     )
     g_norm, g_moved, _, _ = ours[2]
-    assert math.isfinite(g_norm) and 0 < g_moved <= 0.5 * 1e-3 * (1 + 1e-5)  # clipped, stepped
+    assert math.isfinite(g_norm) and g_moved > 0  # G clipped (a finite norm) and stepped
+    if make_opt is None:  # SGD: the step is lr x the clipped gradient, at most lr x max_norm
+        assert g_moved <= 0.5 * 1e-3 * (1 + 1e-5)
     for it, (theirs, mine) in enumerate(zip(stock, ours)):
         assert mine[0] == pytest.approx(theirs[0]), it
         assert mine[2] == theirs[2], it  # backed off once, on the same iteration
