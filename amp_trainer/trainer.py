@@ -125,11 +125,14 @@ class AmpTrainingArguments(TrainingArguments):
             "skipped). 1 is torch.amp.GradScaler's behaviour."
         },
     )
-    loss_scale_min: float = field(
-        default=1.0, metadata={"help": "The loss scale never goes below this."}
+    loss_scale_min: float | None = field(
+        default=None,
+        metadata={
+            "help": "The loss scale never goes below this (None: 1.0, or loss_scale_init if lower)."
+        },
     )
-    loss_scale_max: float = field(
-        default=2.0**24, metadata={"help": "The loss scale never grows above this."}
+    loss_scale_max: float | None = field(
+        default=None, metadata={"help": "The loss scale never grows above this (None: unbounded)."}
     )
     on_min_loss_scale: Literal["raise", "warn", "clamp"] = field(
         default="raise",
