@@ -62,8 +62,7 @@ def write_json_atomic(
 
 
 # How "disk full" reads when it did not arrive as OSError(ENOSPC): safetensors' Rust writer
-# (``IoError(Os { code: 28, kind: StorageFull ...``) and torch's zip writer, which only says
-# "file write failed" (see :func:`is_disk_full`).
+# (``IoError(Os { code: 28, kind: StorageFull ...``); torch's zip writer has no words for it.
 _DISK_FULL_TEXT = ("no space left on device", "storagefull", "os error 28", "code: 28")
 
 
@@ -83,11 +82,13 @@ def is_disk_full(err: BaseException, folder: str | os.PathLike[str] | None = Non
         text = str(current).lower()
         if any(words in text for words in _DISK_FULL_TEXT):
             return True
-        if folder is not None and "file write failed" in text:
-            with contextlib.suppress(OSError):
-                # Less than 1 MiB left: the failed write is what filled it.
-                return _free_bytes(folder) < 2**20
         current = current.__cause__ or current.__context__
+    if folder is not None and isinstance(err, (OSError, RuntimeError)):
+        # torch's writer reports it as "file write failed", "basic_ios::clear: iostream error"
+        # or "unexpected pos N vs M": no errno. Less than 1 MiB left means the failed write is
+        # what filled the disk.
+        with contextlib.suppress(OSError):
+            return _free_bytes(folder) < 2**20
     return False
 
 
