@@ -15,6 +15,7 @@ not lost: it goes to a log file named on that line (runtime failures) and to std
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import os
@@ -31,7 +32,9 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_USAGE",
+    "RunArguments",
     "UsageError",
+    "check_output_dir",
     "describe_error",
     "load_yaml_config",
     "parse_args_with_config",
@@ -116,6 +119,45 @@ def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | 
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
         return code
     return EXIT_OK if code is None else int(code)
+
+
+@dataclasses.dataclass
+class RunArguments:
+    """Flags every recipe has about the run itself (not the model, data or training)."""
+
+    reuse_output_dir: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "Start a new run in an output_dir that holds a previous run (metrics.json or "
+            "checkpoints; its checkpoints are kept, never rotated away). Without it such an "
+            "output_dir is refused; resuming (--resume_from_checkpoint) needs no flag."
+        },
+    )
+
+
+def check_output_dir(output_dir: str | os.PathLike[str], *, reuse: bool, resuming: bool) -> None:
+    """Refuse an ``output_dir`` that is a file, or holds a previous run, before any work.
+
+    A second run into a finished run's folder would overwrite its model, metrics.json and
+    export, and stock ``save_total_limit`` rotation would delete its checkpoints.
+    """
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"output_dir {str(path)!r} exists and is not a folder")
+    if reuse or resuming or not path.is_dir():
+        return
+    previous = sorted(
+        entry.name
+        for entry in path.iterdir()
+        if entry.name == "metrics.json" or entry.name.startswith("checkpoint-")
+    )
+    if previous:
+        shown = ", ".join(previous[:3]) + (" ..." if len(previous) > 3 else "")
+        raise UsageError(
+            f"output_dir {str(path)!r} holds a previous run ({shown}); pass "
+            "--resume_from_checkpoint to continue it, --reuse_output_dir true to start a new run "
+            "there (its checkpoints are kept), or choose another output_dir"
+        )
 
 
 def _raise_usage_error(message: str) -> NoReturn:
