@@ -62,9 +62,9 @@ def describe_error(err: BaseException) -> tuple[int, str]:
 
     Usage (2): our :class:`UsageError` and ``DataError``, every ``ValueError`` (out-of-range
     settings, contradictory flags, unknown keys), missing extras, YAML syntax, and ``OSError``
-    other than a full disk (missing files, a path that is not a model folder, permissions).
-    Runtime (1): a full disk wherever it hits, ``LossScaleError`` (a ``FloatingPointError``), and
-    anything else, named by its type.
+    other than a full disk (missing files, a path that is not a model folder, permissions), and a
+    garbled safetensors file. Runtime (1): a full disk wherever it hits, ``LossScaleError`` (a
+    ``FloatingPointError``), and anything else, named by its type.
     """
     from amp_trainer.scaler import LossScaleError
 
@@ -77,6 +77,8 @@ def describe_error(err: BaseException) -> tuple[int, str]:
         return EXIT_FAILED, message
     if isinstance(err, (ValueError, ImportError, OSError, argparse.ArgumentError)):
         return EXIT_USAGE, message
+    if type(err).__name__ == "SafetensorError":  # a truncated or garbled weights file
+        return EXIT_USAGE, f"unreadable safetensors file: {message}"
     if type(err).__module__.startswith("yaml"):  # yaml.YAMLError, without importing yaml here
         return EXIT_USAGE, f"not valid YAML: {message}"
     return EXIT_FAILED, f"{type(err).__name__}: {message}"

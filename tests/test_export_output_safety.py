@@ -34,6 +34,14 @@ def source(tmp_path) -> Path:
     return folder
 
 
+def error_line(capsys) -> str:
+    """The one error line on stderr (progress bars of the test's own saves aside)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "amp-trainer export: error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
@@ -86,8 +94,7 @@ def test_cli_export_onto_its_own_model_folder_is_a_one_line_usage_error(source, 
     before = snapshot(source)
     argv = ["export", "--model", str(source), "--output", str(source), "--overwrite"]
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "is the source model folder" in err
+    assert "is the source model folder" in error_line(capsys)
     assert snapshot(source) == before
 
 
@@ -245,8 +252,7 @@ def test_cli_disk_full_is_a_one_line_runtime_error_with_exit_1(tmp_path, small_d
     model = tmp_path / "model"
     make_tiny_gpt2(vocab_size=5000).save_pretrained(model)  # ~370 KiB of FP16 weights
     assert main(["export", "--model", str(model), "--output", str(small_disk / "fp16")]) == 1
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "no space left on device" in err, err
+    assert "no space left on device" in error_line(capsys)
     assert list(small_disk.iterdir()) == []
 
 
@@ -256,9 +262,8 @@ def test_cli_export_of_a_truncated_safetensors_file_is_a_one_line_error(tmp_path
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     assert main(["export", "--model", str(model), "--output", str(tmp_path / "fp16")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "cannot load a model from" in err, err
-    assert "Traceback" not in err and not (tmp_path / "fp16").exists()
+    assert "cannot load a model from" in error_line(capsys)
+    assert not (tmp_path / "fp16").exists()
 
 
 def test_report_lists_every_file_it_wrote_so_overwrite_can_recognise_it(tmp_path):
@@ -266,3 +271,13 @@ def test_report_lists_every_file_it_wrote_so_overwrite_can_recognise_it(tmp_path
     export_fp16(make_tiny_gpt2(), out, formats=("torchscript",))
     files = json.loads((out / "report.json").read_text())["files"]
     assert sorted(files) == sorted(p.name for p in out.iterdir())
+
+
+def test_cli_debug_prints_the_traceback_of_an_error(tmp_path, capsys):
+    model = tmp_path / "model"
+    make_tiny_gpt2().save_pretrained(model)
+    (model / "model.safetensors").write_bytes(b"garbage")
+    argv = ["--debug", "export", "--model", str(model), "--output", str(tmp_path / "fp16")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "cannot load a model from" in err

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, subprocess_env
 
-from amp_trainer.recipe_config import check_output_dir, run_entry_point
+from amp_trainer.recipe_config import EXIT_USAGE, check_output_dir, describe_error, run_entry_point
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
 
 FAST = ["--max_steps", "1", "--max_train_samples", "16", "--max_eval_samples", "8"]
@@ -270,3 +270,15 @@ def test_a_read_only_cache_falls_back_to_a_temp_folder_with_a_warning(
         assert "Loading cached" in caplog.text and again.get_vocab() == tokenizer.get_vocab()
     finally:
         restore()
+
+
+def test_a_truncated_safetensors_file_is_a_usage_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(64)}, str(path))
+    path.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(Exception) as info:
+        load_file(str(path))
+    code, message = describe_error(info.value)
+    assert code == EXIT_USAGE and message.startswith("unreadable safetensors file:")
