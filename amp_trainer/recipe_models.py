@@ -50,6 +50,7 @@ __all__ = [
     "build_classifier",
     "causal_lm_tokenizer",
     "check_labels_against_model",
+    "check_model_path",
     "check_sequence_length",
     "classification_tokenizer",
     "detect_recipe_task",
@@ -94,6 +95,26 @@ RECIPE_KEYS: dict[str, frozenset[str]] = {
     | {"num_labels", "ignore_mismatched_sizes", "text_column_2", "label_column", "max_seq_length"},
     CAUSAL_LM: _SHARED_RECIPE_KEYS | {"block_size", "prompt", "sample_tokens"},
 }
+
+
+def check_model_path(name: str) -> None:
+    """Refuse a local ``model_name_or_path`` that is not a model folder, in words a user reads.
+
+    transformers would fail later, after the data is loaded, with a message about tokenizer
+    backends or a missing file; a name that is no local path is left to ``from_pretrained``.
+    """
+    if name in TINY_MODEL_CONFIGS or name == OFFLINE_MINILM:
+        return
+    path = os.path.expanduser(name)
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise DataError(f"model_name_or_path {name!r} is a file, not a model folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise DataError(
+            f"model_name_or_path {name!r} has no config.json: not a saved model folder (save one "
+            "with save_pretrained, or pass tiny-bert/tiny-gpt2 or a hub id)"
+        )
 
 
 def check_sequence_length(name: str, length: int, flag: str, *, bounded: bool = True) -> None:

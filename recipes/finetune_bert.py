@@ -46,6 +46,7 @@ from amp_trainer.recipe_models import (
     apply_lora,
     build_classifier,
     check_labels_against_model,
+    check_model_path,
     check_sequence_length,
     classification_tokenizer,
 )
@@ -165,6 +166,7 @@ def main(argv: list[str]) -> None:
         reuse=run_args.reuse_output_dir,
         resuming=training_args.resume_from_checkpoint is not None,
     )
+    check_model_path(model_args.model_name_or_path)
     check_sequence_length(
         model_args.model_name_or_path, data_args.max_seq_length, "--max_seq_length"
     )

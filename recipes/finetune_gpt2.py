@@ -45,6 +45,7 @@ from amp_trainer.recipe_models import (
     apply_lora,
     build_causal_lm,
     causal_lm_tokenizer,
+    check_model_path,
     check_sequence_length,
 )
 from amp_trainer.reporting import (
@@ -165,6 +166,7 @@ def main(argv: list[str]) -> None:
         reuse=run_args.reuse_output_dir,
         resuming=training_args.resume_from_checkpoint is not None,
     )
+    check_model_path(model_args.model_name_or_path)
     check_sequence_length(
         model_args.model_name_or_path, data_args.block_size, "--block_size", bounded=False
     )

@@ -90,12 +90,14 @@ def test_a_bad_config_file_is_one_line_and_exit_2(recipe, tmp_path, capsys, text
     assert code == 2 and message in line and str(config) in line
 
 
-def test_a_model_path_that_is_not_a_model_is_one_line_and_exit_2(recipe, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["finetune_bert", "finetune_gpt2"])
+def test_a_model_path_that_is_not_a_model_is_one_line_and_exit_2(recipe, tmp_path, capsys, name):
     folder = tmp_path / "not-a-model"
     folder.mkdir()
     (folder / "notes.txt").write_text("hello")
-    code, line = recipe(["--model_name_or_path", str(folder), *out_dir(tmp_path)], capsys)
-    assert code == 2 and "config.json" in line
+    args = ["--model_name_or_path", str(folder), *out_dir(tmp_path)]
+    code, line = recipe(args, capsys, name=name)
+    assert code == 2 and "has no config.json: not a saved model folder" in line
 
 
 def test_an_output_dir_that_is_a_file_is_one_line_and_exit_2(recipe, tmp_path, capsys):
