@@ -34,6 +34,11 @@ Only public Trainer surface is overridden (checked against transformers 5.24):
 (precision policy on the model actually trained), ``log`` (scaler fields) and the
 ``model_accepts_loss_kwargs`` attribute; the skip rule itself is stock Trainer's
 (``lr_scheduler.step()`` unless ``accelerator.optimizer_step_was_skipped``), made truthful.
+Checkpointing and resume need two private hooks, the only places stock Trainer saves a checkpoint
+and loads ``scaler.pt``: ``_save_checkpoint`` (amp_trainer_state.json, a full disk as one error
+without a half-written folder, rotation that spares another run's checkpoints) and
+``_load_scaler`` (another precision, a missing ``scaler.pt``, overridden flags: said, not silent);
+``train`` itself only gains the finished-run check in front of stock ``train``.
 """
 
 from __future__ import annotations
