@@ -265,7 +265,19 @@ def _run_export(args: argparse.Namespace) -> int:
 
     model = _check_model_arg(args.model)
     output = Path(args.output)
-    if output.exists() and not args.overwrite and (not output.is_dir() or any(output.iterdir())):
+    source = Path(model).resolve() if Path(model).exists() else None
+    target = output.resolve()
+    # An output that is, holds or lies in the model folder: export_fp16 says so (--overwrite
+    # would not help, so do not suggest it).
+    related = source is not None and (
+        target == source or target in source.parents or source in target.parents
+    )
+    if (
+        not related
+        and output.exists()
+        and not args.overwrite
+        and (not output.is_dir() or any(output.iterdir()))
+    ):
         raise UsageError(f"--output {args.output} exists and is not empty (use --overwrite)")
     report = export_fp16(
         model,

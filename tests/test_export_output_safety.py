@@ -98,6 +98,12 @@ def test_cli_export_onto_its_own_model_folder_is_a_one_line_usage_error(source, 
     assert snapshot(source) == before
 
 
+def test_cli_export_onto_its_own_model_folder_does_not_suggest_overwrite(source, capsys):
+    assert main(["export", "--model", str(source), "--output", str(source)]) == 2
+    line = error_line(capsys)
+    assert "is the source model folder" in line and "--overwrite" not in line
+
+
 def test_overwrite_refuses_a_folder_that_is_not_an_earlier_export(source, tmp_path):
     before = snapshot(source)
     with pytest.raises(FileExistsError, match="not an earlier FP16 export"):
