@@ -173,6 +173,7 @@ def run_killed_export(out: Path, mode: str) -> None:
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
 
 
+@pytest.mark.slow  # a subprocess: start-up dominates
 def test_a_killed_exports_staging_folder_is_removed_by_the_next_export_which_says_so(
     tmp_path, caplog
 ):
@@ -187,6 +188,7 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export_which_say
     assert "interrupted export" in caplog.text
 
 
+@pytest.mark.slow  # a subprocess: start-up dominates
 def test_an_export_killed_between_its_two_renames_gets_the_previous_export_back(tmp_path):
     out = tmp_path / "fp16"
     export_fp16(make_tiny_gpt2(seed=0), out)
@@ -237,6 +239,7 @@ export.export_fp16(make_tiny_gpt2(vocab_size=1500), {out!r}, formats={formats!r}
 """
 
 
+@pytest.mark.slow  # a subprocess: start-up dominates
 @pytest.mark.parametrize("formats", [("torchscript",), ("onnx",)])
 def test_disk_full_during_an_extra_format_raises_instead_of_aborting(small_disk, formats):
     script = _FULL_DISK_EXPORT.format(

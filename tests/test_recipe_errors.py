@@ -206,6 +206,7 @@ def test_disk_full_anywhere_in_a_recipe_is_one_line_exit_1(capsys, tmp_path):
     assert "No space left on device" in line
 
 
+@pytest.mark.slow  # a subprocess: start-up dominates
 def test_the_recipe_script_itself_prints_one_line_and_exits_2(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "recipes" / "finetune_gpt2.py"), "--no_such_flag", "1"],
