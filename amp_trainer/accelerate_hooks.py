@@ -17,7 +17,11 @@ captures the scaler at wrap time) and fix the places where upstream Accelerate i
 * ``unscale_gradients()`` twice in one step (an explicit call, then ``clip_grad_norm_``) raises
   upstream; here it unscales each optimizer once per step and is a no-op after that.
 * ``clip_grad_norm_`` on an overflow step returns ``inf`` and leaves the (discarded) gradients
-  alone instead of multiplying infs by zero.
+  alone instead of multiplying infs by zero; "overflow" is that of the optimizers owning the
+  parameters, so a GAN's clean generator is clipped while its discriminator overflows.
+* ``save_state``/``load_state`` move checkpoints both ways with stock Accelerate: no empty
+  ``scaler.pt`` in bf16/fp32, and checkpoints without one (or with torch's) resume.
+* ``prepare(model)`` calls ``scaler.watch(model)``, so overflows name parameters in plain loops.
 
 DeepSpeed runs its own loss scaler inside its engine: :func:`deepspeed_fp16_config` writes our
 knobs as DeepSpeed's ``"fp16"`` config section instead.
@@ -25,15 +29,19 @@ knobs as DeepSpeed's ``"fp16"`` config section instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Iterable, Mapping
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType
+from accelerate.utils import SCALER_NAME, DistributedType
 
 from amp_trainer.forward_overflow import ForwardOverflow, ForwardOverflowGuard, check_policy
 from amp_trainer.precision import apply_fp32_policy, resolve_precision
@@ -154,7 +162,10 @@ class AmpAccelerator(Accelerator):
       (:func:`~amp_trainer.precision.keep_norms_in_fp32`) unless ``keep_norms_fp32=False``;
     * a skipped step is a skipped step for every optimizer kind, so the prepared scheduler holds
       its learning rate and :attr:`optimizer_step_was_skipped` tells the truth;
-    * ``mixed_precision="auto"`` picks fp16 on CUDA, bf16 where the hardware has it, else fp32.
+    * ``mixed_precision="auto"`` picks fp16 on CUDA, bf16 where the hardware has it, else fp32;
+    * ``prepare(model)`` watches the model (overflow reports name its parameters);
+    * ``save_state``/``load_state`` read and write stock Accelerate's checkpoints, in every
+      precision, with or without ``scaler.pt`` (torch's or ours).
 
     Example::
 
@@ -275,6 +286,7 @@ class AmpAccelerator(Accelerator):
             self._forward_overflow = ForwardOverflowGuard(
                 model, scaler, policy=self.on_forward_overflow
             )
+        self._watch(model)
         return super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )
@@ -311,6 +323,19 @@ class AmpAccelerator(Accelerator):
             guard.observe(loss, batch)
             return None
         return guard.after_step(loss, batch)
+
+    def _watch(self, model: torch.nn.Module) -> None:
+        """Name the model's parameters in overflow reports, as AmpTrainer does.
+
+        Before DDP wraps it, so names carry no ``module.`` prefix. The second and later models get
+        Accelerate's checkpoint names as prefix (``model_1.``), so a GAN's G and D stay apart.
+        """
+        scaler = self.loss_scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        index = len(self._models)
+        prefix = f"model_{index}." if index else ""
+        scaler.watch((prefix + name, param) for name, param in model.named_parameters())
 
     def _raw_optimizers(self, optimizer: Any) -> list[torch.optim.Optimizer]:
         if optimizer is None:
@@ -350,11 +375,119 @@ class AmpAccelerator(Accelerator):
         scaler = self.loss_scaler
         if scaler is not None and scaler.is_enabled():
             parameters = list(parameters)
+            # Every optimizer is unscaled, as upstream: update() then decides the scale on all of
+            # them, as torch's scaler does. Whether to clip follows only the optimizers that own
+            # these parameters: a GAN's clean G is clipped (and stepped) while D overflows.
             self.unscale_gradients()
-            if any(scaler.found_inf(opt) for opt in self._raw_optimizers(None)):
+            if any(scaler.found_inf(opt) for opt in self._owners(parameters)):
                 device = parameters[0].device if parameters else self.device
                 return torch.full((), math.inf, device=device)
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def _owners(self, parameters: list[torch.Tensor]) -> list[torch.optim.Optimizer]:
+        """The prepared optimizers holding any of ``parameters`` (all of them if none does)."""
+        wanted = {id(p) for p in parameters}
+        optimizers = self._raw_optimizers(None)
+        owners = [
+            opt
+            for opt in optimizers
+            if any(id(p) in wanted for group in opt.param_groups for p in group["params"])
+        ]
+        return owners or optimizers
+
+    # ----------------------------------------------------------------------------------------
+    # checkpoints that stock Accelerate and torch's GradScaler read, and that we read from them
+    # ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _scaler_set_to(self, scaler: Any) -> Iterator[None]:
+        # Accelerate's save/load read self.scaler; the prepared optimizers keep their own
+        # reference, so swapping it for the duration of one call changes nothing else.
+        saved = self.scaler
+        self.scaler = scaler
+        try:
+            yield
+        finally:
+            self.scaler = saved
+
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
+    ) -> str:
+        """As upstream; a disabled (bf16/fp32) scaler writes no ``scaler.pt``, as stock does.
+
+        Patched: upstream saves ``accelerator.scaler`` whenever it is not ``None``, which would
+        write our pass-through scaler's ``{}``, a file torch's ``GradScaler`` refuses to load.
+        """
+        scaler = self.loss_scaler
+        keep = self.scaler if scaler is None or scaler.is_enabled() else None
+        with self._scaler_set_to(keep):
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
+    ) -> None:
+        """As upstream, and resumes any checkpoint stock Accelerate wrote.
+
+        Patched: upstream loads ``scaler.pt`` whenever ``accelerator.scaler`` is set, so resuming
+        a bf16/fp32 checkpoint (no ``scaler.pt``) dies with ``FileNotFoundError``. Here a bf16/fp32
+        run ignores any ``scaler.pt``; an fp16 run loads ours or torch's, and without one starts a
+        fresh scaler and says so once.
+        """
+        scaler = self.loss_scaler
+        if scaler is None:
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        folder = self._checkpoint_folder(input_dir)
+        has_state = folder is not None and _holds_scaler_state(folder / SCALER_NAME)
+        use = scaler
+        if not scaler.is_enabled():
+            use = None
+            if has_state and self.is_main_process:  # one line per run, not one per rank
+                logger.warning(
+                    "%s holds loss-scaler state from an fp16 run; this run is %s and uses no "
+                    "loss scaling, so it is dropped.",
+                    folder / SCALER_NAME,
+                    self._amp_precision,
+                )
+        elif folder is not None and not has_state:
+            use = None
+            if self.is_main_process:
+                logger.warning(
+                    "%s has no %s state (a bf16/fp32 checkpoint, or stock Accelerate without a "
+                    "scaler): resuming fp16 with a fresh loss scaler at scale %g; expect a few "
+                    "skipped steps while it settles.",
+                    folder,
+                    SCALER_NAME,
+                    scaler.get_scale(),
+                )
+        with self._scaler_set_to(use):
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+
+    def _checkpoint_folder(self, input_dir: str | None) -> Path | None:
+        """The folder ``Accelerator.load_state`` will read (``None``: it will raise itself)."""
+        if input_dir is not None:
+            folder = Path(os.path.expanduser(input_dir))
+            return folder if folder.is_dir() else None
+        if not self.project_configuration.automatic_checkpoint_naming:
+            return None
+        # Accelerate 1.15's rule: under checkpoints/, the folder whose name holds the largest
+        # (first) number.
+        root = Path(self.project_dir) / "checkpoints"
+        numbered = [
+            (int(m.group(1)), child)
+            for child in (root.iterdir() if root.is_dir() else ())
+            if (m := re.search(r"([0-9]+)[^/]*$", child.name))
+        ]
+        return max(numbered)[1] if numbered else None
+
+
+def _holds_scaler_state(path: Path) -> bool:
+    """Whether ``path`` is a scaler.pt with something in it.
+
+    Earlier AmpAccelerator versions wrote ``{}`` (a disabled scaler's state) in bf16/fp32 runs;
+    such a file means "no scaler state", as a missing one does.
+    """
+    if not path.is_file():
+        return False
+    return bool(torch.load(path, weights_only=True))
 
 
 def _power_of_two_exponent(value: float) -> int:
@@ -371,22 +504,49 @@ def _power_of_two_exponent(value: float) -> int:
     return exponent - 1
 
 
+def _whole_min_scale(min_scale: Any, init_scale: float) -> int:
+    """DeepSpeed's parser wants an integer ``min_loss_scale`` (it rejects 0.5): a whole number."""
+    if min_scale is None:
+        return 1  # our default floor (1.0; init_scale is >= 1 here), and DeepSpeed's
+    if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)):
+        raise TypeError(f"min_scale must be a number, got {min_scale!r}")
+    if math.isfinite(min_scale) and min_scale != int(min_scale):
+        raise ValueError(
+            f"min_scale must be a whole number under DeepSpeed (its config stores min_loss_scale "
+            f"as an integer), got {min_scale!r}; nearest valid: {max(1, round(min_scale))}"
+        )
+    if not (math.isfinite(min_scale) and 1 <= min_scale <= init_scale):
+        raise ValueError(
+            f"min_scale must be in [1, init_scale={init_scale!r}] under DeepSpeed, got "
+            f"{min_scale!r}"
+        )
+    return int(min_scale)
+
+
 def deepspeed_fp16_config(
     init_scale: float = 2.0**16,
     growth_interval: int = 2000,
-    hysteresis: int = 2,
+    hysteresis: int = 1,
     consecutive_hysteresis: bool = False,
-    min_scale: float = 1.0,
+    min_scale: float | None = None,
     *,
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
+    max_scale: float | None = None,
+    on_min_scale: str = "raise",
     **extra: Any,
 ) -> dict[str, Any]:
     """Our scaler's knobs as DeepSpeed's ``"fp16"`` config section (dynamic loss scaling).
 
     DeepSpeed scales inside its engine, so under DeepSpeed the knobs go in its config rather than
-    in a :class:`DynamicLossScaler`: ``{"fp16": deepspeed_fp16_config(hysteresis=2)}``.
-    DeepSpeed's scaler always doubles and halves, so other growth/backoff factors are refused.
+    in a :class:`DynamicLossScaler`: ``{"fp16": deepspeed_fp16_config(hysteresis=2)}``, or from
+    the training arguments: ``deepspeed_fp16_config.from_training_args(args)``. The defaults are
+    :class:`DynamicLossScaler`'s (``hysteresis=1``, torch's behaviour; DeepSpeed's own default is
+    2). What DeepSpeed 0.19.8 cannot express is refused with the reason: growth/backoff other than
+    x2 / x0.5, a ``max_scale``, an ``on_min_scale`` other than ``"raise"`` (its scaler raises at
+    the minimum) and a fractional ``min_scale`` (its parser wants an integer ``min_loss_scale``).
+    One difference stays: DeepSpeed grows the scale first after ``growth_interval + 1`` clean
+    steps (counted from the start or the last overflow), then every ``growth_interval``.
     ``extra`` adds other keys of the section as they are (``auto_cast``,
     ``fp16_master_weights_and_grads``); it may not override the ones computed here.
     """
@@ -394,14 +554,21 @@ def deepspeed_fp16_config(
     for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)):
-        raise TypeError(f"min_scale must be a number, got {min_scale!r}")
-    if not (math.isfinite(min_scale) and 0 < min_scale <= init_scale):
-        raise ValueError(f"min_scale must be in (0, init_scale={init_scale!r}], got {min_scale!r}")
+    min_loss_scale = _whole_min_scale(min_scale, init_scale)
     if growth_factor != 2.0 or backoff_factor != 0.5:
         raise ValueError(
             "DeepSpeed's dynamic loss scaler only doubles and halves the scale: growth_factor "
             f"must be 2.0 and backoff_factor 0.5, got {growth_factor!r} and {backoff_factor!r}"
+        )
+    if max_scale is not None:
+        raise ValueError(
+            f"DeepSpeed's dynamic loss scaler has no upper bound: max_scale must be None, got "
+            f"{max_scale!r}"
+        )
+    if on_min_scale != "raise":
+        raise ValueError(
+            "DeepSpeed's dynamic loss scaler raises when it overflows at min_loss_scale: "
+            f"on_min_scale must be 'raise' under DeepSpeed, got {on_min_scale!r}"
         )
     config: dict[str, Any] = {
         "enabled": True,
@@ -410,7 +577,7 @@ def deepspeed_fp16_config(
         "loss_scale_window": growth_interval,
         "hysteresis": hysteresis,
         "consecutive_hysteresis": bool(consecutive_hysteresis),
-        "min_loss_scale": min_scale,
+        "min_loss_scale": min_loss_scale,
     }
     clash = sorted(set(extra) & set(config))
     if clash:
@@ -419,3 +586,38 @@ def deepspeed_fp16_config(
         )
     config.update(extra)
     return config
+
+
+def _deepspeed_fp16_config_from_training_args(args: Any, **extra: Any) -> dict[str, Any]:
+    """``deepspeed_fp16_config`` from an ``AmpTrainingArguments``' ``loss_scale_*`` fields.
+
+    The same knobs then mean the same under DeepSpeed as under our scaler, within what DeepSpeed
+    can express (see :func:`deepspeed_fp16_config`; an error names the ``loss_scale_*`` field).
+    """
+    from amp_trainer.trainer import AmpTrainingArguments  # trainer imports this module
+
+    if not isinstance(args, AmpTrainingArguments):
+        raise TypeError(
+            f"from_training_args() expects AmpTrainingArguments, got {type(args).__name__}"
+        )
+    knobs = args.loss_scaler_kwargs()
+    fields = {
+        "init_scale": "loss_scale_init",
+        "growth_factor": "loss_scale_growth_factor",
+        "backoff_factor": "loss_scale_backoff_factor",
+        "growth_interval": "loss_scale_growth_interval",
+        "hysteresis": "loss_scale_hysteresis",
+        "min_scale": "loss_scale_min",
+        "max_scale": "loss_scale_max",
+        "on_min_scale": "on_min_loss_scale",
+    }
+    try:
+        return deepspeed_fp16_config(**knobs, **extra)
+    except ValueError as err:
+        message = str(err)
+        for key, name in fields.items():
+            message = re.sub(rf"\b{key}\b", name, message)
+        raise ValueError(message) from err
+
+
+deepspeed_fp16_config.from_training_args = _deepspeed_fp16_config_from_training_args  # type: ignore[attr-defined]

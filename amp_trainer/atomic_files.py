@@ -9,15 +9,17 @@ is removed. ``accelerate launch`` ranks that build the same cache entry at once 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "write_json_atomic", "write_text_atomic"]
+__all__ = ["atomic_path", "is_disk_full", "write_json_atomic", "write_text_atomic"]
 
 
 @contextlib.contextmanager
@@ -57,6 +59,44 @@ def write_json_atomic(
     """
     text = json.dumps(_finite_or_none(data), indent=2, sort_keys=True, default=default)
     return write_text_atomic(path, text + "\n")
+
+
+# How "disk full" reads when it did not arrive as OSError(ENOSPC): safetensors' Rust writer
+# (``IoError(Os { code: 28, kind: StorageFull ...``); torch's zip writer has no words for it.
+_DISK_FULL_TEXT = ("no space left on device", "storagefull", "os error 28", "code: 28")
+
+
+def is_disk_full(err: BaseException, folder: str | os.PathLike[str] | None = None) -> bool:
+    """Whether ``err`` (or what caused it) is a write that failed because the disk is full.
+
+    Libraries report it in different words: ``OSError(ENOSPC)`` from Python, a ``SafetensorError``
+    quoting the OS error, and torch's ``PytorchStreamWriter`` a bare "file write failed" (no
+    errno). For that last one, ``folder``'s file system is asked whether it is (nearly) full.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(current).lower()
+        if any(words in text for words in _DISK_FULL_TEXT):
+            return True
+        current = current.__cause__ or current.__context__
+    if folder is not None and isinstance(err, (OSError, RuntimeError)):
+        # torch's writer reports it as "file write failed", "basic_ios::clear: iostream error"
+        # or "unexpected pos N vs M": no errno. Less than 1 MiB left means the failed write is
+        # what filled the disk.
+        with contextlib.suppress(OSError):
+            return _free_bytes(folder) < 2**20
+    return False
+
+
+def _free_bytes(folder: str | os.PathLike[str]) -> int:
+    path = Path(folder)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def _finite_or_none(value: Any) -> Any:

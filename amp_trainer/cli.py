@@ -2,9 +2,10 @@
 
 Each subcommand is a thin shell over a library function (:func:`amp_trainer.export.export_fp16`,
 :func:`amp_trainer.doctor.diagnose`): argument checking, loading, printing, exit codes. A user's
-mistake (a missing folder, a threshold out of range) prints ONE line on stderr and exits 2; a
-failed parity check or an unhealthy diagnosis exits 1; success exits 0. Never a traceback for
-something the user can fix.
+mistake (a missing folder, a threshold out of range, a model that cannot be loaded) prints ONE
+line on stderr and exits 2; a failed parity check, an unhealthy diagnosis or a runtime failure
+(disk full) exits 1; success exits 0. Never a traceback unless ``--debug`` asks for it: errors
+are mapped by :func:`amp_trainer.recipe_config.run_entry_point`, the recipes' mapping too.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from amp_trainer.atomic_files import write_json_atomic
+from amp_trainer.recipe_config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, run_entry_point
 from amp_trainer.recipe_models import OFFLINE_MINILM, TINY_MODEL_CONFIGS
 
 __all__ = ["build_parser", "main"]
 
 logger = logging.getLogger("amp_trainer.cli")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _DEFAULT_LR, _DEFAULT_BATCH_SIZE = 5e-5, 8
 # Names the recipes' model_name_or_path accepts that are no saved model (or a headless one):
 # the doctor builds them as the recipe does.
@@ -42,13 +43,10 @@ examples:
   amp-trainer doctor --model runs/gpt2 --data samples.txt --steps 8 --json diagnosis.json
   amp-trainer doctor --config configs/bert_offline.yaml --steps 2
 
-exit codes: 0 success / healthy, 1 parity failed / not healthy, 2 usage error.
+exit codes: 0 success / healthy, 1 parity failed / not healthy / runtime failure (disk full),
+2 usage error. --debug prints the traceback of an error.
 run 'amp-trainer <command> --help' for a command's options.
 """
-
-
-class UsageError(Exception):
-    """A mistake the user can fix; reported as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"amp-trainer {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     commands = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
     commands.required = True
 
@@ -266,7 +265,19 @@ def _run_export(args: argparse.Namespace) -> int:
 
     model = _check_model_arg(args.model)
     output = Path(args.output)
-    if output.exists() and not args.overwrite and (not output.is_dir() or any(output.iterdir())):
+    source = Path(model).resolve() if Path(model).exists() else None
+    target = output.resolve()
+    # An output that is, holds or lies in the model folder: export_fp16 says so (--overwrite
+    # would not help, so do not suggest it).
+    related = source is not None and (
+        target == source or target in source.parents or source in target.parents
+    )
+    if (
+        not related
+        and output.exists()
+        and not args.overwrite
+        and (not output.is_dir() or any(output.iterdir()))
+    ):
         raise UsageError(f"--output {args.output} exists and is not empty (use --overwrite)")
     report = export_fp16(
         model,
@@ -405,19 +416,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
     prog = f"amp-trainer {args.command}"
-    try:
-        return args.handler(args)
-    except UsageError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-    except (FileNotFoundError, FileExistsError, NotADirectoryError, ImportError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-    except (ValueError, OSError) as err:
-        # transformers raises these for a hub id that cannot be resolved (offline, typo) and
-        # we raise ValueError for out-of-range settings: both are the user's to fix.
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"{prog}: error: {message}", file=sys.stderr)
-    logger.debug("details", exc_info=True)  # the traceback, with --verbose only
-    return EXIT_USAGE
+    # transformers raises ValueError/OSError for a hub id that cannot be resolved (offline, a
+    # typo) and we raise ValueError for out-of-range settings: exit 2, the user's to fix; a full
+    # disk is exit 1. The traceback: --debug (or a log file named on the line).
+    return run_entry_point(lambda: args.handler(args), prog, debug=args.debug or None)
 
 
 if __name__ == "__main__":

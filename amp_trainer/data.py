@@ -24,6 +24,7 @@ Every check on user input happens here, before tokenization or model loading, an
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import itertools
 import logging
@@ -232,6 +233,25 @@ def _has_content(path: Path, chunk_bytes: int = 1 << 20) -> bool:
     return False
 
 
+def _check_utf8(path: Path, split: str, chunk_bytes: int = 1 << 20) -> None:
+    """Refuse a file that is not UTF-8, naming the byte offset (datasets says it vaguely)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with path.open("rb") as handle:
+        while True:
+            chunk = handle.read(chunk_bytes)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{split} file {str(path)!r} is not UTF-8 text (byte {offset + err.start}: "
+                    f"{err.reason}); re-save it as UTF-8"
+                ) from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
 def _check_files(files: dict[str, str | None], allowed: Iterable[str]) -> dict[str, str]:
     """Existing, non-empty files of one allowed type; returns ``{split: path}``."""
     allowed = sorted(allowed)
@@ -248,6 +268,7 @@ def _check_files(files: dict[str, str | None], allowed: Iterable[str]) -> dict[s
             raise DataError(f"{split} file {file!r} does not exist")
         if not _has_content(path):
             raise DataError(f"{split} file {file!r} is empty")
+        _check_utf8(path, split)
         checked[split] = str(path)
     if len({Path(p).suffix.lower().replace("jsonl", "json") for p in checked.values()}) > 1:
         raise DataError(f"train and validation files must have the same type, got {checked}")
@@ -275,9 +296,20 @@ def _load_raw(
         try:
             raw = load_dataset(builder, data_files=files)
         except ValueError as err:  # a csv with a header only: datasets finds "no data"
-            if "no data" not in str(err):
+            if "no data" in str(err):
+                raise DataError(f"no rows in the data file(s) {sorted(files.values())}") from err
+            # A malformed JSON line: pandas' "Expected object or value at position 27".
+            raise DataError(
+                f"cannot read the data file(s) {sorted(files.values())}: {_root_cause(err)}"
+            ) from err
+        except Exception as err:
+            # datasets wraps other parse failures in a DatasetGenerationError that says only
+            # "An error occurred while generating the dataset"; the reason is its cause.
+            if type(err).__name__ != "DatasetGenerationError":
                 raise
-            raise DataError(f"no rows in the data file(s) {sorted(files.values())}") from err
+            raise DataError(
+                f"cannot read the data file(s) {sorted(files.values())}: {_root_cause(err)}"
+            ) from err
     elif validation_file is not None:
         raise DataError("validation_file was given without train_file; pass both or neither")
     else:
@@ -306,6 +338,16 @@ def _load_raw(
             validation=raw["train"].select(range(n_train, raw["train"].num_rows)),
         )
     return DatasetDict(train=raw["train"], validation=raw["validation"])
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost cause of ``err`` as one line, with a hint for the common one."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, UnicodeDecodeError):
+        return f"not UTF-8 text ({text}); re-save the file as UTF-8"
+    return text
 
 
 def _require_columns(raw: DatasetDict, columns: Iterable[str], source: str) -> None:
@@ -372,6 +414,15 @@ def load_text_classification(
             )
         label_list = sorted(train_labels, key=lambda v: (str(type(v)), v))
         known = train_labels
+        fractional = [v for v in label_list if isinstance(v, float) and not v.is_integer()]
+        if fractional:
+            # 0.5/1.5 or STS-B's 0..5 in halves would silently become 2 or 11 "classes".
+            raise DataError(
+                f"column {label_column!r} of {source} holds fractional labels "
+                f"{fractional[:4]}{' ...' if len(fractional) > 4 else ''}: a regression target, "
+                "but this recipe trains a classifier (each distinct value would become a class). "
+                "Map the values to class ids or names first."
+            )
     for split in ("train", "validation"):
         found = set(raw[split].unique(label_column))
         unknown = sorted(map(str, found - known))

@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
+import glob
 import importlib.util
+import io
 import json
 import logging
 import math
 import os
 import re
 import shutil
-import tempfile
 import uuid
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_trainer.atomic_files import write_text_atomic
+from amp_trainer.atomic_files import is_disk_full, write_text_atomic
 from amp_trainer.doctor import FP16_MAX, OverflowProbe
 from amp_trainer.precision import (
     _remove_island,
@@ -594,7 +596,14 @@ def _export_torchscript(
         # ...and tracing reads every attribute, deprecated transformers properties included.
         warnings.simplefilter("ignore", FutureWarning)
         traced = torch.jit.trace(wrapper, example_kwarg_inputs=dict(inputs), strict=False)
-    torch.jit.save(traced, str(path))
+    # Serialise in memory, write from Python: torch's zip writer finishes the file in its C++
+    # destructor, and a write error there (disk full) is an exception thrown from a destructor,
+    # which aborts the whole process (rc 134) instead of raising.
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    with open(path, "wb") as handle:
+        handle.write(buffer.getbuffer())
+    del buffer
     reloaded = torch.jit.load(str(path))
     with torch.no_grad():
         return reloaded(**inputs).cpu()
@@ -661,15 +670,157 @@ def _fp32_bytes(model: nn.Module) -> int:
     return total
 
 
+# Hidden siblings of the output folder while an export runs: ``.NAME.tmp-PID-XXXXXXXX`` is the
+# staging folder being written, ``.NAME.old-PID-XXXXXXXX`` the previous export moved aside for the
+# instant between the two renames of _install. The PID says whether their writer is still alive.
+_STAGING, _TRASH = "tmp", "old"
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    return target.with_name(f".{target.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _writer_alive(folder: Path) -> bool:
+    """Whether the process that named ``folder`` still runs (then it is not stale)."""
+    parts = folder.name.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return False  # an older export's mkdtemp name: no PID, left by a dead run
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return False  # our own leftovers from an earlier call in this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, someone else's
+        return True
+    return True
+
+
+def _clean_stale_staging(target: Path) -> list[str]:
+    """Remove what a killed export left next to ``target``; returns one note per folder.
+
+    A staging folder of a dead export is deleted. A previous export that was moved aside when
+    the export died (between the two renames of :func:`_install`) is put back if ``target`` is
+    missing, else deleted.
+    """
+    notes: list[str] = []
+    if not target.parent.is_dir():
+        return notes
+    name = glob.escape(f".{target.name}")
+    for kind in (_TRASH, _STAGING):
+        for folder in sorted(target.parent.glob(f"{name}.{kind}-*")):
+            if not folder.is_dir() or _writer_alive(folder):
+                continue
+            if kind == _TRASH and not target.exists():
+                os.replace(folder, target)
+                note = f"restored the previous export {target} from {folder.name}, which an "
+                note += "interrupted export had moved aside"
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+                note = f"removed {folder}, left behind by an interrupted export"
+            logger.warning("%s", note)
+            notes.append(note)
+    return notes
+
+
 def _install(staging: Path, target: Path) -> None:
     """Move the finished staging folder to ``target``, replacing an existing one last."""
     if target.exists():
-        trash = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        trash = _sibling(target, _TRASH)
         os.replace(target, trash)
         os.replace(staging, target)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(staging, target)
+
+
+def _check_output_dir(target: Path, source: Path | None, overwrite: bool) -> None:
+    """Refuse an ``output_dir`` whose replacement would delete anything but an earlier export.
+
+    The export replaces ``target`` as a whole, so ``target`` must not be the source folder,
+    contain it (a parent folder: sibling runs with it) or lie inside it; and ``overwrite`` only
+    replaces a folder every entry of which an earlier export wrote (its ``report.json`` lists
+    them), never a run folder or anything a user put there.
+    """
+    if source is not None:
+        if target == source:
+            raise ValueError(
+                f"output_dir {target} is the source model folder; the export would replace the "
+                "FP32 model with its FP16 copy. Choose another output_dir."
+            )
+        if target in source.parents:
+            raise ValueError(
+                f"output_dir {target} contains the source model folder {source}; replacing it "
+                "would delete the source and everything next to it. Choose another output_dir."
+            )
+        if source in target.parents:
+            raise ValueError(
+                f"output_dir {target} lies inside the source model folder {source}; write the "
+                "export next to the model, not into it."
+            )
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"output_dir {target} exists and is not a folder")
+    entries = sorted(entry.name for entry in target.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise FileExistsError(f"{target} already exists and is not empty; pass overwrite=True")
+    written = _files_of_earlier_export(target)
+    if written is None:
+        raise FileExistsError(
+            f"{target} is not an earlier FP16 export (no report.json written by export_fp16); "
+            "overwrite replaces only such a folder. Remove it yourself or choose another "
+            "output_dir."
+        )
+    foreign = [name for name in entries if name not in written]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise FileExistsError(
+            f"{target} holds files an earlier export did not write ({shown}); overwrite "
+            "replaces only what export_fp16 wrote. Move them away or choose another output_dir."
+        )
+
+
+def _files_of_earlier_export(folder: Path) -> set[str] | None:
+    """The file names ``folder/report.json`` says an earlier :func:`export_fp16` wrote."""
+    try:
+        report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or not {"source", "parity", "files"} <= set(report):
+        return None
+    files = report["files"]
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        return None
+    return set(files)
+
+
+def _check_free_space(folder: Path, needed: int) -> None:
+    """Refuse up front when ``folder``'s disk cannot take ``needed`` bytes."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on device for the FP16 export in {folder}: it needs about "
+            f"{_human_bytes(needed)}, {_human_bytes(free)} free",
+        )
+
+
+def _load_source(path: str | os.PathLike[str]) -> nn.Module:
+    """:func:`load_model`, with a model that cannot be loaded said in one line naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_model(path, dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"cannot load a model from {path}: {reason}") from err
 
 
 def _check_threshold(name: str, value: float | None, low: float, high: float) -> None:
@@ -743,8 +894,11 @@ def export_fp16(
         raise ValueError(f"max_guard_iterations must be an int >= 1, got {max_guard_iterations!r}")
     _check_export_extra(formats)
     target = Path(output_dir).resolve()
-    if target.exists() and not overwrite and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"{target} already exists and is not empty; pass overwrite=True")
+    local_source = None
+    if not isinstance(model_or_path, nn.Module) and Path(model_or_path).exists():
+        local_source = Path(model_or_path).resolve()
+    stale_notes = _clean_stale_staging(target)  # may restore a previous export: check after
+    _check_output_dir(target, local_source, overwrite)
 
     # Source model and its FP32 reference.
     if isinstance(model_or_path, nn.Module):
@@ -753,7 +907,7 @@ def export_fp16(
         source_bytes, measured = _fp32_bytes(model_or_path), False
     else:
         source = str(model_or_path)
-        source_model = load_model(model_or_path, dtype=torch.float32)
+        source_model = _load_source(model_or_path)
         if tokenizer is None:
             tokenizer = load_tokenizer(model_or_path)
         local = Path(model_or_path)
@@ -805,7 +959,7 @@ def export_fp16(
     reference = reference.cpu()
     candidate = candidate.cpu()
     parity = {"pytorch": _compare("pytorch", output_name, reference, candidate, mask, thresholds)}
-    notes: list[str] = []
+    notes: list[str] = list(stale_notes)
     fp32_share = _fp32_weight_share(fp16)
     if guarded and fp32_share > 0.5:
         notes.append(
@@ -819,9 +973,13 @@ def export_fp16(
             "amp_trainer.export.load_fp16_export"
         )
 
-    # Write everything into a staging folder next to the target; rename at the end.
+    # Write everything into a staging folder next to the target; rename at the end. Its name
+    # carries our PID so that the next export can tell a dead run's leftovers from a live one.
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    # FP16 weights (about half of FP32) once per format, plus the old export until replaced.
+    _check_free_space(target.parent, _fp32_bytes(fp16) // 2 * len(formats))
+    staging = _sibling(target, _STAGING)
+    staging.mkdir()  # the umask's permissions: mkdtemp's drwx------ would become the output's
     report = ExportReport(
         source=source,
         output_dir=str(target),
@@ -878,6 +1036,14 @@ def export_fp16(
             logger.info("FP16 export written to %s", target)
         else:
             logger.warning("FP16 export failed parity; nothing written: %s", "; ".join(failures))
+    except Exception as err:
+        if is_disk_full(err, staging):
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on device writing the FP16 export to {target}; nothing was "
+                "written (the partial staging folder was removed)",
+            ) from err
+        raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

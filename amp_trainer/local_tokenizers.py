@@ -3,7 +3,9 @@
 A from-scratch recipe model (``tiny-bert``, ``tiny-gpt2``) gets a tokenizer trained on the train
 split only: WordPiece for BERT, byte-level BPE for GPT-2. Training takes seconds, so the result is
 cached under :func:`cache_dir`, keyed by a hash of the corpus and the settings, and a second run
-(or ``amp-trainer doctor --config`` on the same config) loads the identical tokenizer.
+(or ``amp-trainer doctor --config`` on the same config) loads the identical tokenizer. An
+unreadable entry (a torn or garbled file) is trained again; a read-only cache falls back to a
+folder under the system temp dir, with a warning.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,13 +62,38 @@ def _cached_tokenizer(
     for text in texts:
         digest.update(text.encode("utf-8"))
         digest.update(b"\0")
-    path = cache_dir() / "tokenizers" / f"{kind}-{digest.hexdigest()[:20]}.json"
-    if path.is_file():
-        logger.info("Loading cached %s tokenizer from %s", kind, path)
-        return tokenizers.Tokenizer.from_file(str(path))
+    name = f"{kind}-{digest.hexdigest()[:20]}.json"
+    path = cache_dir() / "tokenizers" / name
+    # Where the entry goes when the cache is read-only (a shared or container-baked cache).
+    fallback = Path(tempfile.gettempdir()) / "amp-trainer-cache" / "tokenizers" / name
+    for cached in (path, fallback):
+        if not cached.is_file():
+            continue
+        logger.info("Loading cached %s tokenizer from %s", kind, cached)
+        try:
+            return tokenizers.Tokenizer.from_file(str(cached))
+        except Exception as err:  # tokenizers raises a bare Exception for a torn/garbled file
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            logger.warning(
+                "Cached tokenizer %s is unreadable (%s); training it again.", cached, reason
+            )
     logger.info("Training a %s tokenizer on %d texts (cached at %s)", kind, len(texts), path)
     tokenizer = build(texts)
-    write_text_atomic(path, tokenizer.to_str())
+    try:
+        write_text_atomic(path, tokenizer.to_str())
+    except OSError as err:
+        # A read-only (or full) cache must not cost the run: cache in a temp folder instead.
+        logger.warning(
+            "Cannot write the tokenizer cache %s (%s); caching in %s instead. Set "
+            "AMP_TRAINER_CACHE to a writable folder.",
+            path,
+            err.strerror or err,
+            fallback,
+        )
+        try:
+            write_text_atomic(fallback, tokenizer.to_str())
+        except OSError:
+            logger.warning("Cannot write %s either; the tokenizer is not cached.", fallback)
     return tokenizer
 
 

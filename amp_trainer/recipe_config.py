@@ -4,17 +4,166 @@
 file, then lets every flag override it. The YAML keys are the dataclass field names (the flags
 without ``--``), exactly what :meth:`transformers.HfArgumentParser.parse_yaml_file` accepts; the
 difference is that flags still work afterwards, which ``parse_yaml_file`` alone does not allow.
+
+:func:`run_entry_point` is how the recipes and the ``amp-trainer`` command end: every exception
+becomes ONE line on stderr and an exit code (2: a usage error the user can fix, 1: a runtime
+failure such as a full disk or a run that overflowed at the minimum loss scale). The traceback is
+not lost: it goes to a log file named on that line (runtime failures) and to stderr with
+``AMP_TRAINER_DEBUG=1`` (or the CLI's ``--debug``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import logging
 import os
-from collections.abc import Sequence
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["load_yaml_config", "parse_args_with_config"]
+from amp_trainer.atomic_files import is_disk_full
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "RunArguments",
+    "UsageError",
+    "check_output_dir",
+    "describe_error",
+    "load_yaml_config",
+    "parse_args_with_config",
+    "run_entry_point",
+]
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(ValueError):
+    """A mistake the user can fix (a flag, a value, a file); reported as one line, exit 2."""
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(part.strip() for part in str(err).strip().splitlines() if part.strip())
+    if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        text = err.args[0]  # str(KeyError) is the repr of its argument
+    return text or type(err).__name__
+
+
+def describe_error(err: BaseException) -> tuple[int, str]:
+    """The exit code and the one-line message for ``err``.
+
+    Usage (2): our :class:`UsageError` and ``DataError``, every ``ValueError`` (out-of-range
+    settings, contradictory flags, unknown keys), missing extras, YAML syntax, and ``OSError``
+    other than a full disk (missing files, a path that is not a model folder, permissions), and a
+    garbled safetensors file. Runtime (1): a full disk wherever it hits, ``LossScaleError`` (a
+    ``FloatingPointError``), and anything else, named by its type.
+    """
+    from amp_trainer.scaler import LossScaleError
+
+    message = _one_line(err)
+    if is_disk_full(err):
+        if "no space left" not in message.lower():
+            message = f"no space left on device: {message}"
+        return EXIT_FAILED, message
+    if isinstance(err, LossScaleError):
+        return EXIT_FAILED, message
+    if isinstance(err, (ValueError, ImportError, OSError, argparse.ArgumentError)):
+        return EXIT_USAGE, message
+    if type(err).__name__ == "SafetensorError":  # a truncated or garbled weights file
+        return EXIT_USAGE, f"unreadable safetensors file: {message}"
+    if type(err).__module__.startswith("yaml"):  # yaml.YAMLError, without importing yaml here
+        return EXIT_USAGE, f"not valid YAML: {message}"
+    return EXIT_FAILED, f"{type(err).__name__}: {message}"
+
+
+def _traceback_file(prog: str, err: BaseException) -> Path | None:
+    """Write ``err``'s traceback to a log file and return its path (``None`` if that fails)."""
+    folder = Path(tempfile.gettempdir()) / "amp-trainer-logs"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = folder / f"{prog.replace(' ', '-')}-{stamp}-{os.getpid()}.log"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(err)), encoding="utf-8")
+    except OSError:
+        return None
+    return path
+
+
+def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | None = None) -> int:
+    """Run ``main()`` and turn any exception into one line on stderr and an exit code.
+
+    Returns ``main()``'s own return value (``None`` counts as 0). ``debug`` (default: the
+    ``AMP_TRAINER_DEBUG`` environment variable) also prints the traceback; without it the
+    traceback of a runtime failure is written to a log file whose path ends the line.
+    ``KeyboardInterrupt`` and ``SystemExit`` (``--help``) pass through untouched.
+    """
+    if debug is None:
+        debug = os.environ.get("AMP_TRAINER_DEBUG", "").lower() not in ("", "0", "false", "no")
+    try:
+        code = main()
+    except Exception as err:  # the one place every failure is reported
+        code, message = describe_error(err)
+        logger.debug("%s failed", prog, exc_info=True)
+        if debug:
+            traceback.print_exc()
+        elif code == EXIT_FAILED:
+            log = _traceback_file(prog, err)
+            if log is not None:
+                message += f" (traceback: {log})"
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        return code
+    return EXIT_OK if code is None else int(code)
+
+
+@dataclasses.dataclass
+class RunArguments:
+    """Flags every recipe has about the run itself (not the model, data or training)."""
+
+    reuse_output_dir: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "Start a new run in an output_dir that holds a previous run (metrics.json or "
+            "checkpoints; its checkpoints are kept, never rotated away). Without it such an "
+            "output_dir is refused; resuming (--resume_from_checkpoint) needs no flag."
+        },
+    )
+
+
+def check_output_dir(output_dir: str | os.PathLike[str], *, reuse: bool, resuming: bool) -> None:
+    """Refuse an ``output_dir`` that is a file, or holds a previous run, before any work.
+
+    A second run into a finished run's folder would overwrite its model, metrics.json and
+    export, and stock ``save_total_limit`` rotation would delete its checkpoints.
+    """
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"output_dir {str(path)!r} exists and is not a folder")
+    if reuse or resuming or not path.is_dir():
+        return
+    previous = sorted(
+        entry.name
+        for entry in path.iterdir()
+        if entry.name == "metrics.json" or entry.name.startswith("checkpoint-")
+    )
+    if previous:
+        shown = ", ".join(previous[:3]) + (" ..." if len(previous) > 3 else "")
+        raise UsageError(
+            f"output_dir {str(path)!r} holds a previous run ({shown}); pass "
+            "--resume_from_checkpoint to continue it, --reuse_output_dir true to start a new run "
+            "there (its checkpoints are kept), or choose another output_dir"
+        )
+
+
+def _raise_usage_error(message: str) -> NoReturn:
+    raise UsageError(message)
 
 
 def load_yaml_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -24,9 +173,12 @@ def load_yaml_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UsageError(f"config file {str(path)!r} is not valid YAML: {_one_line(err)}") from err
     if not isinstance(data, dict):
-        raise ValueError(
+        raise UsageError(
             f"config file {str(path)!r} must hold a mapping of argument names to values, "
             f"got {type(data).__name__}"
         )
@@ -47,7 +199,10 @@ def parse_args_with_config(
     (so argparse still converts strings and validates choices), and flags given on the command
     line win. Unknown YAML keys and unknown flags are errors that name them.
     """
+    # argparse prints a usage block and exits on a bad flag; an exception is reported in one line.
+    parser.error = _raise_usage_error
     pre = argparse.ArgumentParser(add_help=False)
+    pre.error = _raise_usage_error
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(list(argv))
     config_path = default_config if known.config is None else known.config
@@ -58,13 +213,51 @@ def parse_args_with_config(
         dests = {action.dest for action in parser._actions}
         unknown = sorted(set(values) - dests)
         if unknown:
-            raise ValueError(
+            raise UsageError(
                 f"unknown key(s) {unknown} in config file {str(config_path)!r}; valid keys are "
                 "the recipe's flags without the leading '--' (see --help)"
             )
-        parser.set_defaults(**values)
+        parser.set_defaults(**_typed_values(parser, values, config_path))
         # A YAML value satisfies a required flag (argparse would still demand it on the CLI).
         for action in parser._actions:
             if action.dest in values:
                 action.required = False
     return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
+
+
+def _typed_values(parser: Any, values: dict[str, Any], source: Any) -> dict[str, Any]:
+    """YAML values converted by their flag's ``type``, as the same text on the command line is.
+
+    argparse converts only *string* defaults; ``max_steps: 2.7`` would reach the dataclass as a
+    float and fail far from the file (or not at all). Each value goes through its flag's type
+    (``int("2.7")`` fails) and choices, and a failure names the key, the value and the file.
+    """
+    actions = {action.dest: action for action in parser._actions}
+    typed: dict[str, Any] = {}
+    for key, value in values.items():
+        action = actions[key]
+        convert = action.type
+        if value is None or convert is None or isinstance(value, dict):
+            typed[key] = value
+            continue
+        if isinstance(value, list) and action.nargs in (None, "?"):
+            typed[key] = value  # a list-valued field without nargs (report_to): as given
+            continue
+        items = value if isinstance(value, list) else [value]
+        try:
+            # bool/int/float YAML scalars print as the text a flag would hold ("True", "5").
+            converted = [convert(item if isinstance(item, str) else str(item)) for item in items]
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
+            kind = getattr(convert, "__name__", "the flag's type")
+            raise UsageError(
+                f"{key}: {value!r} in config file {str(source)!r} is not a valid {kind} ({err})"
+            ) from None
+        if action.choices is not None:
+            bad = [item for item in converted if item not in action.choices]
+            if bad:
+                raise UsageError(
+                    f"{key}: {bad[0]!r} in config file {str(source)!r} is not one of "
+                    f"{list(action.choices)}"
+                )
+        typed[key] = converted if isinstance(value, list) else converted[0]
+    return typed

@@ -50,6 +50,8 @@ __all__ = [
     "build_classifier",
     "causal_lm_tokenizer",
     "check_labels_against_model",
+    "check_model_path",
+    "check_sequence_length",
     "classification_tokenizer",
     "detect_recipe_task",
     "load_recipe_batch",
@@ -93,6 +95,51 @@ RECIPE_KEYS: dict[str, frozenset[str]] = {
     | {"num_labels", "ignore_mismatched_sizes", "text_column_2", "label_column", "max_seq_length"},
     CAUSAL_LM: _SHARED_RECIPE_KEYS | {"block_size", "prompt", "sample_tokens"},
 }
+
+
+def check_model_path(name: str) -> None:
+    """Refuse a local ``model_name_or_path`` that is not a model folder, in words a user reads.
+
+    transformers would fail later, after the data is loaded, with a message about tokenizer
+    backends or a missing file; a name that is no local path is left to ``from_pretrained``.
+    """
+    if name in TINY_MODEL_CONFIGS or name == OFFLINE_MINILM:
+        return
+    path = os.path.expanduser(name)
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise DataError(f"model_name_or_path {name!r} is a file, not a model folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise DataError(
+            f"model_name_or_path {name!r} has no config.json: not a saved model folder (save one "
+            "with save_pretrained, or pass tiny-bert/tiny-gpt2 or a hub id)"
+        )
+
+
+def check_sequence_length(name: str, length: int, flag: str, *, bounded: bool = True) -> None:
+    """Refuse ``length`` (``--max_seq_length``, ``--block_size``) outside [1, positions].
+
+    ``0`` would disable truncation silently, and a length above the model's position table
+    dies inside its embeddings after everything is built. ``bounded=False``: only ``>= 1``
+    (a from-scratch GPT-2 gets as many positions as its block size).
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise DataError(f"{flag} must be an integer >= 1, got {length!r}")
+    if not bounded:
+        return
+    if name in TINY_MODEL_CONFIGS:
+        sizes: dict[str, Any] = TINY_MODEL_CONFIGS[name]
+    else:
+        from transformers import AutoConfig
+
+        sizes = AutoConfig.from_pretrained(resolve_model_path(name)).to_dict()
+    positions = sizes.get("max_position_embeddings") or sizes.get("n_positions")
+    if positions and length > positions:
+        raise DataError(
+            f"{flag} {length} is more than {name!r} has positions ({positions}); use at most "
+            f"{positions}"
+        )
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -258,9 +305,12 @@ class RecipeBatch:
 def _training_argument_names() -> frozenset[str]:
     import dataclasses
 
+    from amp_trainer.recipe_config import RunArguments
     from amp_trainer.trainer import AmpTrainingArguments
 
-    return frozenset(f.name for f in dataclasses.fields(AmpTrainingArguments))
+    return frozenset(
+        f.name for cls in (AmpTrainingArguments, RunArguments) for f in dataclasses.fields(cls)
+    )
 
 
 def detect_recipe_task(config: dict[str, Any], source: str = "the config") -> str:

@@ -12,9 +12,16 @@ what long FP16 fine-tuning runs need and torch's scaler does not have:
 * telemetry (:attr:`stats`) and overflow attribution by parameter name (:meth:`watch`);
 * a checkpointable state that is plain numbers (``torch.load(weights_only=True)``-safe).
 
-Where torch's behaviour is right we match it exactly: with ``hysteresis=1`` and no bound hit, the
-scale after every :meth:`update` and every skip decision equal ``torch.amp.GradScaler``'s (the
-scale is kept as the float32 value torch's 1-element tensor would hold).
+Where torch's behaviour is right we match it exactly: with the default arguments the scale after
+every :meth:`update` and every skip decision equal ``torch.amp.GradScaler``'s, for any run length
+(the scale is kept as the float32 value torch's 1-element tensor would hold, and never grows into
+inf), until an overflow at ``min_scale`` (default 1.0), where torch silently keeps halving and we
+raise :class:`LossScaleError`. Bounds (``min_scale``/``max_scale``) are compared in float32, so
+every state the scaler writes loads back into a scaler built with the same arguments.
+
+What the scaler refuses, loudly, where torch would silently do the wrong thing: unscaling
+gradients when no :meth:`scale` call happened since the optimizer's last step (a plain
+``loss.backward()``: the update would be S times too small), and pickling mid-iteration.
 """
 
 from __future__ import annotations
@@ -36,7 +43,11 @@ __all__ = ["DynamicLossScaler", "LossScaleError", "ScalerStats"]
 logger = logging.getLogger(__name__)
 
 _ON_MIN_SCALE = ("raise", "warn", "clamp")
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+# The floor when min_scale is not given (lowered to init_scale when that is smaller).
+_DEFAULT_MIN_SCALE = 1.0
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # smallest subnormal
 # How many parameter names an error message or log line lists before "and N more".
 _NAMES_SHOWN = 8
 
@@ -90,6 +101,22 @@ def _positive_finite(name: str, value: Any) -> float:
     return value
 
 
+def _scale_value(name: str, value: Any) -> float:
+    """A positive finite number that stays positive and finite once stored as float32."""
+    value = _positive_finite(name, value)
+    if not 0.0 < _f32(value) < math.inf:
+        raise ValueError(
+            f"{name} must be representable in float32, where the scale is stored: between "
+            f"{_F32_TINY!r} and {_F32_MAX!r}, got {value!r}"
+        )
+    return value
+
+
+def _upper(max_scale: float | None) -> float:
+    """``max_scale`` as a number: no bound is float32's largest value (growth never hits inf)."""
+    return _F32_MAX if max_scale is None else max_scale
+
+
 def _int_at_least_one(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
@@ -138,8 +165,12 @@ class DynamicLossScaler:
             ``1`` is torch's behaviour.
         consecutive_hysteresis: refill the tolerance on every clean step instead (DeepSpeed's
             option), so only N overflows *in a row* back off.
-        min_scale: the scale never goes below this.
-        max_scale: the scale never grows above this.
+        min_scale: the scale never goes below this; an overflow there is handled by
+            ``on_min_scale``. ``None`` (default): 1.0, or ``init_scale`` if that is lower (a scale
+            set below it by ``update(new_scale)`` lowers it too), so every ``init_scale`` torch
+            accepts works. torch has no floor: it keeps halving, silently, towards 0.
+        max_scale: the scale never grows above this. ``None`` (default): unbounded, like torch
+            (growth stops only where the next scale would be float32's inf).
         on_min_scale: what an overflow at ``min_scale`` does once hysteresis is spent:
             ``"raise"`` a :class:`LossScaleError` naming the offending parameters, ``"warn"`` once
             per overflow streak and keep skipping, ``"clamp"`` keep skipping silently.
@@ -159,8 +190,8 @@ class DynamicLossScaler:
         *,
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
         on_min_scale: str = "raise",
         process_group: Any = None,
     ) -> None:
@@ -179,6 +210,12 @@ class DynamicLossScaler:
         )
         self.process_group = process_group
         self._param_names: dict[int, str] = {}
+        # scale() calls so far, and their count when each optimizer last unscaled: gradients
+        # that appear with no scale() call since then came from a plain backward (see unscale_).
+        # One integer increment per scale() and one compare per unscale_(): free on clean steps.
+        self._scale_calls = 0
+        self._scale_calls_at_unscale: dict[int, int] = {}
+        self._carried = False  # per-optimizer states kept across update() (see update())
         self._reset_counters()
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(self._fresh_optimizer_state)
         # Device tensors (scale and its reciprocal) are created lazily on first use, per device,
@@ -198,12 +235,16 @@ class DynamicLossScaler:
         growth_interval: int,
         hysteresis: int,
         consecutive_hysteresis: bool,
-        min_scale: float,
-        max_scale: float,
+        min_scale: float | None,
+        max_scale: float | None,
         on_min_scale: str,
     ) -> None:
-        """Validate every knob before touching any attribute, so a bad value changes nothing."""
-        init_scale = _positive_finite("init_scale", init_scale)
+        """Validate every knob before touching any attribute, so a bad value changes nothing.
+
+        Bounds are compared in float32, as the scale is stored: a scale clamped to
+        ``min_scale=0.7`` is the float32 0.699999988..., and must still count as inside.
+        """
+        init_scale = _scale_value("init_scale", init_scale)
         growth_factor = _positive_finite("growth_factor", growth_factor)
         if growth_factor <= 1.0:
             raise ValueError(f"growth_factor must be > 1.0, got {growth_factor!r}")
@@ -214,17 +255,23 @@ class DynamicLossScaler:
             )
         growth_interval = _int_at_least_one("growth_interval", growth_interval)
         hysteresis = _int_at_least_one("hysteresis", hysteresis)
-        min_scale = _positive_finite("min_scale", min_scale)
-        max_scale = _positive_finite("max_scale", max_scale)
-        if min_scale > max_scale:
+        min_is_default = min_scale is None
+        if min_scale is None:
+            # torch accepts any positive init_scale (1e-4 included); a default floor above it
+            # would refuse that. The floor is 1.0, or where the user started if lower.
+            min_scale = min(_DEFAULT_MIN_SCALE, init_scale)
+        min_scale = _scale_value("min_scale", min_scale)
+        if max_scale is not None:
+            max_scale = _scale_value("max_scale", max_scale)
+            if _f32(min_scale) > _f32(max_scale):
+                raise ValueError(
+                    f"min_scale must be <= max_scale, got min_scale={min_scale!r} > "
+                    f"max_scale={max_scale!r}"
+                )
+        if not _f32(min_scale) <= _f32(init_scale) <= _f32(_upper(max_scale)):
             raise ValueError(
-                f"min_scale must be <= max_scale, got min_scale={min_scale!r} > "
-                f"max_scale={max_scale!r}"
-            )
-        if not min_scale <= init_scale <= max_scale:
-            raise ValueError(
-                f"init_scale must lie in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}], "
-                f"got {init_scale!r}"
+                f"init_scale must lie in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}] "
+                f"(compared in float32), got {init_scale!r}"
             )
         if on_min_scale not in _ON_MIN_SCALE:
             raise ValueError(f"on_min_scale must be one of {_ON_MIN_SCALE}, got {on_min_scale!r}")
@@ -239,6 +286,7 @@ class DynamicLossScaler:
         self._hysteresis_tracker = hysteresis
         self._consecutive_hysteresis = bool(consecutive_hysteresis)
         self._min_scale = min_scale
+        self._min_scale_is_default = min_is_default
         self._max_scale = max_scale
         self._on_min_scale = on_min_scale
 
@@ -255,7 +303,8 @@ class DynamicLossScaler:
     @staticmethod
     def _fresh_optimizer_state() -> dict[str, Any]:
         # A staticmethod rather than a lambda: lambdas don't pickle, and neither would the scaler.
-        return {"stage": _Stage.READY, "found_inf": None}
+        # "counted": whether an update() has already acted on this verdict (see update()).
+        return {"stage": _Stage.READY, "found_inf": None, "counted": False}
 
     # ----------------------------------------------------------------------------------------
     # torch.amp.GradScaler-compatible accessors
@@ -391,6 +440,9 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return outputs
+        self._scale_calls += 1
+        if self._carried:
+            self._drop_carried()
         if isinstance(outputs, torch.Tensor):
             return outputs * self._device_tensors(outputs.device)[0]
         if isinstance(outputs, (list, tuple)):
@@ -400,6 +452,12 @@ class DynamicLossScaler:
         raise ValueError(
             f"scale() expects a Tensor or an iterable of Tensors, got {type(outputs).__name__}"
         )
+
+    def _drop_carried(self) -> None:
+        """A new backward begins: unscaled-but-never-stepped states from before are stale."""
+        for key in [k for k, s in self._per_optimizer.items() if s["counted"]]:
+            del self._per_optimizer[key]
+        self._carried = False
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale and decide whether this step overflowed.
@@ -442,6 +500,8 @@ class DynamicLossScaler:
                         param.grad = param.grad.coalesce()
                     values = self._grad_values(param)
                     groups[values.device][values.dtype].append(values)
+            if groups and self._scale_calls == self._scale_calls_at_unscale.get(id(optimizer), 0):
+                self._raise_unscaled_gradients(optimizer)
             if half_grads:
                 raise ValueError(
                     "Attempting to unscale FP16 gradients of "
@@ -463,9 +523,27 @@ class DynamicLossScaler:
 
         state["found_inf"] = overflow
         state["stage"] = _Stage.UNSCALED
+        self._scale_calls_at_unscale[id(optimizer)] = self._scale_calls
         if overflow and (self._param_names or self._at_min_scale()):
             # Attribution runs only here, on overflow steps: clean steps pay nothing for it.
             self._last_overflow_params = self._non_finite_params(optimizer)
+
+    def _raise_unscaled_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients came from a backward that bypassed :meth:`scale`: refuse to divide them.
+
+        What we can see: no ``scale()`` call at all since this optimizer last unscaled (or ever).
+        What we cannot: a plain ``loss.backward()`` in an iteration that also scaled another loss,
+        or stale gradients left from an earlier step without ``zero_grad()``.
+        """
+        raise RuntimeError(
+            "The optimizer holds gradients but scaler.scale() was not called since they were "
+            "last unscaled (or ever): they were never multiplied by the loss scale "
+            f"{self._scale:g} (a plain loss.backward()?), and dividing them by it would apply an "
+            "update "
+            f"{self._scale:g}x too small. Use scaler.scale(loss).backward() "
+            "(accelerator.backward(loss) under Accelerate), or DynamicLossScaler(enabled=False) "
+            "for unscaled training."
+        )
 
     def _reduce_found_inf(self, found: list[torch.Tensor]) -> bool:
         if found:
@@ -560,12 +638,14 @@ class DynamicLossScaler:
     # the scale policy
     # ----------------------------------------------------------------------------------------
     def _at_min_scale(self) -> bool:
-        return self._scale <= self._min_scale
+        return self._scale <= _f32(self._min_scale)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Grow, back off or hold the scale after this iteration's steps; then start the next.
 
-        ``new_scale`` sets the scale by hand (within ``[min_scale, max_scale]``), as in torch.
+        ``new_scale`` sets the scale by hand, as in torch: any positive value float32 can hold;
+        explicit ``min_scale``/``max_scale`` refuse values outside them, the default floor moves
+        down to a lower ``new_scale``.
         Must come after :meth:`step` for every optimizer used this iteration, or backoff lags a
         step behind the overflow that caused it.
         """
@@ -578,26 +658,47 @@ class DynamicLossScaler:
                         f"new_scale must hold one element, got shape {tuple(new_scale.shape)}"
                     )
                 new_scale = float(new_scale.item())
-            value = _positive_finite("new_scale", new_scale)
-            if not self._min_scale <= value <= self._max_scale:
+            value = _scale_value("new_scale", new_scale)
+            if self._min_scale_is_default and _f32(value) < _f32(self._min_scale):
+                # Like init_scale: a scale the user sets by hand lowers the default floor.
+                self._min_scale = value
+            if not _f32(self._min_scale) <= _f32(value) <= _f32(_upper(self._max_scale)):
                 raise ValueError(
                     f"new_scale must lie in [min_scale, max_scale] = [{self._min_scale!r}, "
-                    f"{self._max_scale!r}], got {value!r}"
+                    f"{self._max_scale!r}] (the bounds this scaler was built with), got {value!r}"
                 )
             self._scale = _f32(value)
             self._per_optimizer.clear()
+            self._carried = False
             return
 
-        verdicts = [
-            s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None
-        ]
-        if not verdicts:
+        states = self._per_optimizer
+        if not any(s["found_inf"] is not None for s in states.values()):
             raise RuntimeError(
                 "update() found no inf checks recorded since the last update(): call "
                 "scaler.step(optimizer) (or unscale_) for each optimizer before update()."
             )
-        overflow = any(verdicts)
-        self._per_optimizer.clear()
+        verdicts = [s["found_inf"] for s in states.values() if s["found_inf"] is not None]
+        fresh = [
+            v for s in states.values() if (v := s["found_inf"]) is not None and not s["counted"]
+        ]
+        # Accelerate steps and updates one optimizer at a time. An optimizer unscaled (to clip)
+        # but not stepped yet keeps its unscaled gradients and verdict for its own step(), so
+        # they are not divided twice; its verdict counts in this update only (as in torch, the
+        # scale backs off once). A new backward (the next scale() call) drops what is left.
+        carried = {
+            key: {**s, "counted": True}
+            for key, s in states.items()
+            if s["stage"] is _Stage.UNSCALED
+        }
+        states.clear()
+        states.update(carried)
+        self._carried = bool(carried)
+        if not fresh and verdicts:
+            # Only verdicts an earlier update() already acted on: nothing new to decide.
+            self._step_was_skipped = any(verdicts)
+            return
+        overflow = any(fresh)
         self._steps += 1
         self._step_was_skipped = overflow
         if overflow:
@@ -615,8 +716,9 @@ class DynamicLossScaler:
             self._growth_tracker = 0
             self._hysteresis_tracker = self._hysteresis
             grown = _f32(self._scale * self._growth_factor)
-            grown = min(grown, _f32(self._max_scale))
-            # Like torch, never grow into inf; at max_scale there is nothing to grow.
+            if self._max_scale is not None:
+                grown = min(grown, _f32(self._max_scale))
+            # Like torch, never grow into float32's inf; at max_scale there is nothing to grow.
             if math.isfinite(grown) and grown > self._scale:
                 self._scale = grown
                 self._growths += 1
@@ -653,7 +755,7 @@ class DynamicLossScaler:
             "cannot fix this: the values are inf/NaN before scaling. Next triage step: rerun the "
             "same batch in pure FP32 (`amp-trainer doctor`): if it is NaN there too, the bug is in "
             "the model, data or learning rate; if not, keep the overflowing module in FP32 or "
-            "switch to bf16."
+            "switch to bf16 (or, to let the scale go lower, pass a smaller min_scale)."
         )
         if self._on_min_scale == "raise":
             raise LossScaleError(message)
@@ -682,6 +784,7 @@ class DynamicLossScaler:
             "consecutive_hysteresis": self._consecutive_hysteresis,
             "_hysteresis_tracker": self._hysteresis_tracker,
             "min_scale": self._min_scale,
+            "min_scale_is_default": self._min_scale_is_default,
             "max_scale": self._max_scale,
             "on_min_scale": self._on_min_scale,
             "steps": self._steps,
@@ -727,8 +830,14 @@ class DynamicLossScaler:
             "growth_interval": get("growth_interval", self._growth_interval),
             "hysteresis": get("hysteresis", self._hysteresis),
             "consecutive_hysteresis": get("consecutive_hysteresis", self._consecutive_hysteresis),
+            # torch's state dicts carry no bounds: keep ours, widened to hold torch's scale.
             "min_scale": get("min_scale", min(self._min_scale, _positive_finite("scale", scale))),
-            "max_scale": get("max_scale", max(self._max_scale, _positive_finite("scale", scale))),
+            "max_scale": get(
+                "max_scale",
+                None
+                if self._max_scale is None
+                else max(self._max_scale, _positive_finite("scale", scale)),
+            ),
             "on_min_scale": get("on_min_scale", self._on_min_scale),
         }
         counters = {
@@ -754,6 +863,14 @@ class DynamicLossScaler:
                 f"got {hysteresis_tracker}"
             )
 
+        min_is_default = get(
+            "min_scale_is_default", self._min_scale_is_default and "min_scale" not in state_dict
+        )
+        if not isinstance(min_is_default, bool):
+            raise TypeError(
+                f"scaler state 'min_scale_is_default' must be a bool, got {min_is_default!r}"
+            )
+
         names = state_dict.get("last_overflow_params", [])
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
             raise TypeError(
@@ -770,6 +887,7 @@ class DynamicLossScaler:
             )
 
         self._configure(**cfg)
+        self._min_scale_is_default = min_is_default
         self._scale = _f32(float(scale))
         self._growth_tracker = counters["_growth_tracker"]
         self._hysteresis_tracker = hysteresis_tracker
@@ -780,6 +898,7 @@ class DynamicLossScaler:
         self._overflow_streak = counters["overflow_streak"]
         self._last_overflow_params = tuple(names)
         self._per_optimizer.clear()
+        self._carried = False
         self._device_cache.clear()
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
@@ -797,13 +916,25 @@ class DynamicLossScaler:
         return self._device_type
 
     def __getstate__(self) -> dict[str, Any]:
-        # Device tensors, per-iteration optimizer states and the process group are runtime-only:
+        # Mid-iteration (after unscale_/step, before update) the copy could not know which
+        # gradients are already unscaled and would divide them again: refuse, as torch does.
+        if self._enabled and any(
+            s["stage"] is not _Stage.READY for s in self._per_optimizer.values()
+        ):
+            raise RuntimeError(
+                "A DynamicLossScaler may only be pickled or deep-copied at the beginning of an "
+                "iteration or after scaler.update(), not between unscale_()/step() and update() "
+                "(nor while an optimizer unscaled before another's update() awaits its step())."
+            )
+        # Device tensors, the process group and everything keyed by object id are runtime-only:
         # a pickled scaler (e.g. sent to a worker) starts its next iteration fresh.
         state = self.__dict__.copy()
         state["_device_cache"] = {}
         state["_per_optimizer"] = defaultdict(self._fresh_optimizer_state)
         state["process_group"] = None
         state["_param_names"] = {}
+        state["_scale_calls_at_unscale"] = {}
+        state["_carried"] = False
         return state
 
     def __repr__(self) -> str:
@@ -813,5 +944,5 @@ class DynamicLossScaler:
             f"{type(self).__name__}(scale={self._scale:g}, growth_factor={self._growth_factor:g}, "
             f"backoff_factor={self._backoff_factor:g}, growth_interval={self._growth_interval}, "
             f"hysteresis={self._hysteresis}, min_scale={self._min_scale:g}, "
-            f"max_scale={self._max_scale:g}, on_min_scale={self._on_min_scale!r})"
+            f"max_scale={self._max_scale!r}, on_min_scale={self._on_min_scale!r})"
         )

@@ -38,28 +38,39 @@ Only public Trainer surface is overridden (checked against transformers 5.24):
 ``create_accelerator_and_postprocess`` (install the scaler before ``prepare``), ``create_optimizer``
 (precision policy on the model actually trained), ``log`` (scaler fields), ``training_step``
 (remembers each micro-batch's loss for the forward-overflow check, no sync) and the
-``model_accepts_loss_kwargs`` attribute; one private method, ``_load_from_checkpoint`` (FP32
-islands back from the checkpoint's config.json); the skip rule itself is stock Trainer's
+``model_accepts_loss_kwargs`` attribute; the skip rule itself is stock Trainer's
 (``lr_scheduler.step()`` unless ``accelerator.optimizer_step_was_skipped``), made truthful.
+Checkpointing and resume need three private hooks, the only places stock Trainer saves a
+checkpoint and loads ``scaler.pt`` and the weights: ``_save_checkpoint`` (amp_trainer_state.json,
+a full disk as one error without a half-written folder, rotation that spares another run's
+checkpoints), ``_load_scaler`` (another precision, a missing ``scaler.pt``, overridden flags:
+said, not silent) and ``_load_from_checkpoint`` (the FP32 islands back from the checkpoint's
+config.json);
+``train`` itself only gains the finished-run check in front of stock ``train``.
 """
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import logging
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import unwrap_peft_model
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, unwrap_peft_model
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
+from amp_trainer.atomic_files import is_disk_full, write_json_atomic
 from amp_trainer.forward_overflow import ForwardOverflowGuard, check_policy
 from amp_trainer.precision import (
     apply_fp32_policy,
@@ -75,6 +86,12 @@ __all__ = ["AmpTrainer", "AmpTrainerMixin", "AmpTrainingArguments"]
 logger = logging.getLogger(__name__)
 
 _PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+# Stock Trainer's checkpoint file names (transformers.trainer module constants).
+_SCALER_FILE, _TRAINER_STATE_FILE = "scaler.pt", "trainer_state.json"
+#: What amp-trainer adds to every checkpoint: the precision and loss-scaler settings the run
+#: started with and the whole run's scale history, so that a resumed run can tell what changed
+#: and report all of its steps, not just those since the resume.
+AMP_STATE_FILE = "amp_trainer_state.json"
 
 # AmpTrainingArguments field -> DynamicLossScaler keyword. The scaler validates the values; its
 # messages name the keyword, which we translate back to the field the user actually wrote.
@@ -136,11 +153,14 @@ class AmpTrainingArguments(TrainingArguments):
             "skipped). 1 is torch.amp.GradScaler's behaviour."
         },
     )
-    loss_scale_min: float = field(
-        default=1.0, metadata={"help": "The loss scale never goes below this."}
+    loss_scale_min: float | None = field(
+        default=None,
+        metadata={
+            "help": "The loss scale never goes below this (None: 1.0, or loss_scale_init if lower)."
+        },
     )
-    loss_scale_max: float = field(
-        default=2.0**24, metadata={"help": "The loss scale never grows above this."}
+    loss_scale_max: float | None = field(
+        default=None, metadata={"help": "The loss scale never grows above this (None: unbounded)."}
     )
     on_min_loss_scale: Literal["raise", "warn", "clamp"] = field(
         default="raise",
@@ -316,7 +336,11 @@ class AmpTrainerMixin:
         loss_scaler: the :class:`DynamicLossScaler` in use (``None`` for bf16/fp32 and DeepSpeed,
             whose engine scales the loss itself).
         scale_history: one ``{"step", "scale", "skipped"}`` dict per optimizer step of this run;
-            ``scale`` is the loss scale the step ran with.
+            ``scale`` is the loss scale the step ran with. A resumed run starts from the
+            checkpoint's history, so it covers the whole run, not just this process.
+        resume_overrides: ``{field: {"given": ..., "used": ...}}`` for each loss-scaler argument
+            that the checkpoint's scaler state overrode on resume (also logged, and written back
+            into ``args`` so that what is recorded is what ran).
     """
 
     def __init__(
@@ -329,6 +353,9 @@ class AmpTrainerMixin:
         self._requested_scaler = loss_scaler
         self.loss_scaler: DynamicLossScaler | None = None
         self.scale_history: list[dict[str, Any]] = []
+        self.resume_overrides: dict[str, dict[str, Any]] = {}
+        self._resume_step: int | None = None
+        self._checkpoints_at_start: dict[str, int] = {}
         self._last_step_skipped = False
         self._forward_overflow: ForwardOverflowGuard | None = None
         super().__init__(*args, **kwargs)
@@ -440,6 +467,279 @@ class AmpTrainerMixin:
             if self._forward_overflow is not None:
                 logs["fp32_islands_added"] = len(self._forward_overflow.islands)
         super().log(logs, start_time)
+
+    # -- checkpoints and resume: say what happens, never lose a finished run ------------------
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
+        """Stock ``train``, except that resuming a finished run trains nothing and says so.
+
+        Stock Trainer, resumed from the checkpoint of the last step (``global_step ==
+        max_steps``), trains one more step every time. Here the checkpoint's model and state are
+        loaded and its final training metrics returned, with a warning naming the checkpoint.
+        """
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            checkpoint = get_last_checkpoint(self.args.output_dir) or True  # stock raises
+        self._note_checkpoints_at_start(checkpoint)
+        if isinstance(checkpoint, (str, os.PathLike)):
+            done = self._finished_run(str(checkpoint))
+            if done is not None:
+                return done
+        return super().train(
+            resume_from_checkpoint=checkpoint,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
+        )
+
+    def _note_checkpoints_at_start(self, checkpoint: Any) -> None:
+        """Remember the checkpoints already in output_dir and the step resumed from."""
+        self._resume_step = None
+        if isinstance(checkpoint, (str, os.PathLike)):
+            self._resume_step = _checkpoint_step(Path(checkpoint))
+        folder = Path(self.args.output_dir)
+        self._checkpoints_at_start = {
+            path.name: step
+            for path in (folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if folder.is_dir() else ())
+            if path.is_dir() and (step := _checkpoint_step(path)) is not None
+        }
+
+    def _finished_run(self, checkpoint: str) -> TrainOutput | None:
+        """The run's result if ``checkpoint`` is its last step, else ``None`` (train on)."""
+        state_file = Path(checkpoint) / _TRAINER_STATE_FILE
+        if not state_file.is_file():
+            return None  # stock train refuses a checkpoint without its state
+        state = TrainerState.load_from_json(str(state_file))
+        if self.args.max_steps > 0:
+            target = self.args.max_steps
+        elif self.args.num_train_epochs > (state.num_train_epochs or 0):
+            return None  # more epochs asked for than the checkpoint's run had
+        else:
+            target = state.max_steps
+        if not target or state.global_step < target:
+            return None
+        logger.warning(
+            "%s is the end of its run (step %d of max_steps %d): nothing to train. The model is "
+            "the checkpoint's; pass a larger max_steps (or num_train_epochs) to train on.",
+            checkpoint,
+            state.global_step,
+            target,
+        )
+        self._load_from_checkpoint(checkpoint)
+        self.state = state
+        self._restore_scale_history(Path(checkpoint))
+        final = next((e for e in reversed(state.log_history) if "train_loss" in e), {})
+        metrics = {k: v for k, v in final.items() if k.startswith("train_") or k == "total_flos"}
+        return TrainOutput(state.global_step, final.get("train_loss", float("nan")), metrics)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """Stock checkpointing plus :data:`AMP_STATE_FILE`; a full disk is one clear error.
+
+        On a full disk torch says only "[enforce fail at inline_container.cc] ... file write
+        failed" and leaves a half-written ``checkpoint-N``: here that folder is removed and an
+        ``OSError(ENOSPC)`` names it. Checkpoints that were in output_dir before this run (and
+        are not the earlier steps of the run resumed) are left out of ``save_total_limit``
+        rotation: they belong to another run.
+        """
+        run_dir = Path(self._get_output_dir(trial=trial))
+        folder = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        existed = folder.exists()
+        limit = self.args.save_total_limit
+        foreign = self._foreign_checkpoints(run_dir)
+        try:
+            if foreign and limit:
+                self.args.save_total_limit = None  # rotated below, without the foreign ones
+            super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                write_json_atomic(folder / AMP_STATE_FILE, self._amp_state())
+        except Exception as err:
+            if not is_disk_full(err, run_dir):
+                raise
+            if self.args.should_save and not existed:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on device saving {folder.name} in {run_dir}; the partial "
+                "checkpoint was removed. Free some space and resume from the previous checkpoint.",
+            ) from err
+        finally:
+            self.args.save_total_limit = limit
+        if foreign and limit and self.args.should_save:
+            self._rotate_own_checkpoints(run_dir, foreign, limit)
+
+    def _foreign_checkpoints(self, run_dir: Path) -> set[str]:
+        """Checkpoints of another run that were in ``run_dir`` when training started."""
+        if Path(self.args.output_dir).resolve() != run_dir.resolve():
+            return set()  # hyperparameter-search trial folders: stock behaviour
+        resumed = self._resume_step
+        foreign = {
+            name
+            for name, step in self._checkpoints_at_start.items()
+            if resumed is None or step > resumed
+        }
+        if foreign and not getattr(self, "_warned_foreign", False):
+            self._warned_foreign = True
+            logger.warning(
+                "output_dir %s holds checkpoint(s) of another run (%s); save_total_limit "
+                "rotation leaves them alone.",
+                run_dir,
+                ", ".join(sorted(foreign)),
+            )
+        return {name for name in foreign if (run_dir / name).is_dir()}
+
+    def _rotate_own_checkpoints(self, run_dir: Path, foreign: set[str], limit: int) -> None:
+        """``save_total_limit`` over this run's checkpoints only (the best one is kept)."""
+        own = sorted(
+            (step, path)
+            for path in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+            if path.is_dir()
+            and path.name not in foreign
+            and (step := _checkpoint_step(path)) is not None
+        )
+        best = self.state.best_model_checkpoint
+        keep = {path for _, path in own[-limit:]}
+        for _, path in own:
+            if path not in keep and (best is None or Path(best).resolve() != path.resolve()):
+                logger.info("Deleting older checkpoint %s (save_total_limit=%d)", path, limit)
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _amp_state(self) -> dict[str, Any]:
+        args = self.args
+        return {
+            "precision": self.precision,
+            "loss_scaler": args.loss_scaler_kwargs()
+            if isinstance(args, AmpTrainingArguments)
+            else {},
+            "scale_history": self.scale_history,
+        }
+
+    def _restore_scale_history(self, checkpoint: Path) -> dict[str, Any] | None:
+        """Start :attr:`scale_history` from the checkpoint's (the run so far); its saved state."""
+        saved = _read_amp_state(checkpoint)
+        step = _checkpoint_step(checkpoint)
+        if saved is not None:
+            history = saved.get("scale_history") or []
+            self.scale_history = [e for e in history if step is None or e["step"] <= step]
+        elif self.loss_scaler is not None:
+            logger.warning(
+                "%s has no %s: the loss-scale summary covers only the steps after it.",
+                checkpoint,
+                AMP_STATE_FILE,
+            )
+        return saved
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """Resume the loss scaler honestly: say when its state is dropped, missing or overrides.
+
+        Stock Trainer crashes (``'NoneType' object has no attribute 'load_state_dict'``) when an
+        fp16 checkpoint is resumed in bf16/fp32 (what LossScaleError advises), and starts a fresh
+        scaler without a word when ``scaler.pt`` is missing.
+        """
+        if checkpoint is None:
+            return
+        path = Path(checkpoint)
+        saved = self._restore_scale_history(path)
+        has_state = (path / _SCALER_FILE).is_file()
+        was = (saved or {}).get("precision")
+        if self.loss_scaler is None:
+            if has_state and self.accelerator.scaler is None:
+                scale = _saved_scale(path / _SCALER_FILE)
+                logger.warning(
+                    "Resuming an fp16 checkpoint (%s) in %s: its loss-scaler state%s is dropped; "
+                    "%s trains without loss scaling.",
+                    path.name,
+                    self.precision,
+                    "" if scale is None else f" (scale {scale:g})",
+                    self.precision,
+                )
+                return
+            super()._load_scaler(checkpoint)
+            return
+        if not has_state:
+            if was is not None and was != "fp16":
+                logger.warning(
+                    "Resuming a %s checkpoint (%s) in fp16: the loss scaler starts afresh at "
+                    "scale %g.",
+                    was,
+                    path.name,
+                    self.loss_scaler.get_scale(),
+                )
+            else:
+                logger.warning(
+                    "%s has no %s: the loss scaler starts afresh at scale %g instead of where the "
+                    "run left it (expect extra skipped steps, and a shifted LR schedule).",
+                    path,
+                    _SCALER_FILE,
+                    self.loss_scaler.get_scale(),
+                )
+            return
+        given = self.loss_scaler.state_dict()
+        super()._load_scaler(checkpoint)
+        self._report_scaler_overrides(given, self.loss_scaler.state_dict(), saved, path.name)
+
+    def _report_scaler_overrides(
+        self,
+        given: dict[str, Any],
+        used: dict[str, Any],
+        saved: dict[str, Any] | None,
+        checkpoint: str,
+    ) -> None:
+        """Log the loss_scale_* arguments the checkpoint overrode; write the used ones back."""
+        overrides: dict[str, dict[str, Any]] = {}
+        for name, key in _SCALER_FIELDS.items():
+            if key == "init_scale":
+                started = ((saved or {}).get("loss_scaler") or {}).get("init_scale")
+                if started is not None and started != getattr(self.args, name, started):
+                    overrides[name] = {"given": getattr(self.args, name), "used": started}
+            elif key in given and key in used and given[key] != used[key]:
+                overrides[name] = {"given": given[key], "used": used[key]}
+        self.resume_overrides = overrides
+        if not overrides:
+            return
+        for name, values in overrides.items():
+            if hasattr(self.args, name):
+                setattr(self.args, name, values["used"])
+        logger.warning(
+            "Resumed the loss scaler from %s (scale %g): its state overrides %s. To change them, "
+            "start a new run.",
+            checkpoint,
+            self.loss_scaler.get_scale(),
+            ", ".join(
+                f"{name}={v['given']!r} (given) with {v['used']!r}" for name, v in overrides.items()
+            ),
+        )
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """N of a ``checkpoint-N`` folder (``None`` for another name)."""
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    name = path.name
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return int(name[len(prefix) :])
+    return None
+
+
+def _read_amp_state(checkpoint: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((checkpoint / AMP_STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _saved_scale(path: Path) -> float | None:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return float(state["scale"])
+    except Exception:  # only for the message; the state is being dropped anyway
+        return None
 
 
 class AmpTrainer(AmpTrainerMixin, Trainer):

@@ -33,9 +33,21 @@ from transformers import HfArgumentParser, default_data_collator
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.data import OFFLINE_DATASET, DataError, load_lm_corpus, tokenize_and_chunk
-from amp_trainer.recipe_config import parse_args_with_config
-from amp_trainer.recipe_models import CAUSAL_LM, apply_lora, build_causal_lm, causal_lm_tokenizer
+from amp_trainer.data import OFFLINE_DATASET, load_lm_corpus, tokenize_and_chunk
+from amp_trainer.recipe_config import (
+    RunArguments,
+    check_output_dir,
+    parse_args_with_config,
+    run_entry_point,
+)
+from amp_trainer.recipe_models import (
+    CAUSAL_LM,
+    apply_lora,
+    build_causal_lm,
+    causal_lm_tokenizer,
+    check_model_path,
+    check_sequence_length,
+)
 from amp_trainer.reporting import (
     format_table,
     peak_memory,
@@ -144,8 +156,20 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
 
     # ---- arguments
-    parser = HfArgumentParser((ModelArguments, DataArguments, AmpTrainingArguments))
-    model_args, data_args, training_args = parse_args_with_config(parser, argv, DEFAULT_CONFIG)
+    parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, AmpTrainingArguments))
+    model_args, data_args, run_args, training_args = parse_args_with_config(
+        parser, argv, DEFAULT_CONFIG
+    )
+    # Cheap checks of the user's choices first: a bad value costs seconds, not a built model.
+    check_output_dir(
+        training_args.output_dir,
+        reuse=run_args.reuse_output_dir,
+        resuming=training_args.resume_from_checkpoint is not None,
+    )
+    check_model_path(model_args.model_name_or_path)
+    check_sequence_length(
+        model_args.model_name_or_path, data_args.block_size, "--block_size", bounded=False
+    )
     if training_args.include_num_input_tokens_seen == "no":
         training_args.include_num_input_tokens_seen = "all"  # for the tokens/s figure
     logging.basicConfig(
@@ -302,7 +326,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except DataError as err:  # bad input: one clear line, no traceback
-        sys.exit(f"finetune_gpt2: error: {err}")
+    # Every failure is one line on stderr: exit 2 for a usage error, 1 for a runtime failure
+    # (traceback in a log file named on the line, or on stderr with AMP_TRAINER_DEBUG=1).
+    sys.exit(run_entry_point(lambda: main(sys.argv[1:]), "finetune_gpt2"))

@@ -221,11 +221,10 @@ def run_row(
     optimizer = make_optimizer(optimizer_kind, bench.params)
     torch_scaler = torch.amp.GradScaler(device_type, init_scale=LOSS_SCALE)
     ours = DynamicLossScaler(device_type, init_scale=LOSS_SCALE)
-    # torch's scaler creates its scale tensor in its first scale(loss); a training loop calls it
-    # every step (one scalar multiply each, for both scalers), so it is done once here, untimed.
+    # A training loop calls scale(loss) every step (one scalar multiply each, for both scalers;
+    # torch's creates its scale tensor in the first). It is done before each sample, untimed:
+    # ours refuses to unscale gradients that no scale() call produced.
     loss = torch.ones((), device=bench.device)
-    torch_scaler.scale(loss)
-    ours.scale(loss)
 
     def scaler_step(scaler: torch.amp.GradScaler | DynamicLossScaler) -> Callable[[], None]:
         def run() -> None:
@@ -250,6 +249,8 @@ def run_row(
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             bench.refill(overflow)
+            torch_scaler.scale(loss)
+            ours.scale(loss)
             seconds = bench.time(variants[name])
             if overflow:
                 # Undo the backoff, untimed, so every overflow sample starts from the same scale

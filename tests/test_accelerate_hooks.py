@@ -394,9 +394,9 @@ def test_deepspeed_fp16_config_defaults_are_dynamic_scaling_from_2_to_the_16():
         "loss_scale": 0,
         "initial_scale_power": 16,
         "loss_scale_window": 2000,
-        "hysteresis": 2,
+        "hysteresis": 1,
         "consecutive_hysteresis": False,
-        "min_loss_scale": 1.0,
+        "min_loss_scale": 1,
     }
 
 
@@ -406,14 +406,14 @@ def test_deepspeed_fp16_config_maps_our_knobs():
         growth_interval=500,
         hysteresis=4,
         consecutive_hysteresis=True,
-        min_scale=0.5,
+        min_scale=2.0,
         auto_cast=True,
     )
     assert config["initial_scale_power"] == 12
     assert config["loss_scale_window"] == 500
     assert config["hysteresis"] == 4
     assert config["consecutive_hysteresis"] is True
-    assert config["min_loss_scale"] == 0.5
+    assert config["min_loss_scale"] == 2 and isinstance(config["min_loss_scale"], int)
     assert config["auto_cast"] is True
 
 
@@ -425,6 +425,9 @@ def test_deepspeed_fp16_config_maps_our_knobs():
         ({"growth_interval": 0}, "growth_interval"),
         ({"hysteresis": 0}, "hysteresis"),
         ({"min_scale": 0.0}, "min_scale"),
+        ({"min_scale": 0.5}, "whole number.*integer"),
+        ({"max_scale": 2.0**24}, "no upper bound"),
+        ({"on_min_scale": "warn"}, "raises when it overflows"),
         ({"growth_factor": 4.0}, "only doubles and halves"),
         ({"loss_scale_window": 10}, "computes"),
     ],

@@ -180,9 +180,11 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="overwrite"):
         export_fp16(make_tiny_gpt2(), tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
-    export_fp16(make_tiny_gpt2(), tmp_path / "out", overwrite=True)
-    assert not (tmp_path / "out" / "keep.txt").exists()
-    assert (tmp_path / "out" / "model.safetensors").exists()
+    export_fp16(make_tiny_gpt2(), tmp_path / "new")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_fp16(make_tiny_gpt2(), tmp_path / "new")
+    export_fp16(make_tiny_gpt2(seed=1), tmp_path / "new", overwrite=True)
+    assert (tmp_path / "new" / "model.safetensors").exists()
 
 
 def test_the_callers_model_is_not_modified(tmp_path):

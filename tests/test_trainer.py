@@ -166,8 +166,8 @@ def test_arguments_parse_from_cli_flags(tmp_path):
         "backoff_factor": 0.5,
         "growth_interval": 100,
         "hysteresis": 2,
-        "min_scale": 1.0,
-        "max_scale": 2.0**24,
+        "min_scale": None,
+        "max_scale": None,
         "on_min_scale": "warn",
     }
 
