@@ -164,6 +164,19 @@ def test_fp32_modules_naming_no_module_is_an_error_naming_it(tmp_path):
         )
 
 
+def test_the_new_arguments_parse_from_the_command_line(tmp_path):
+    from transformers import HfArgumentParser
+
+    from amp_trainer import AmpTrainingArguments
+
+    base = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--precision", "fp16"]
+    (args,) = HfArgumentParser(AmpTrainingArguments).parse_args_into_dataclasses(
+        [*base, "--fp32_modules", "wo", "encoder.block.*.wi", "--on_forward_overflow", "raise"]
+    )
+    assert args.fp32_modules == ["wo", "encoder.block.*.wi"]
+    assert args.on_forward_overflow == "raise"
+
+
 def test_an_unknown_policy_is_an_error_listing_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match=r"on_forward_overflow must be one of \('fp32'"):
         amp_args(tmp_path, on_forward_overflow="ignore")
