@@ -304,15 +304,16 @@ class _LossScaleMonitor(TrainerCallback):
         scaler = self._trainer.loss_scaler
         if scaler is None:
             return
+        forward = None
         if self._trainer._forward_overflow is not None:
-            self._trainer._forward_overflow.after_step()  # work only on skipped steps
+            forward = self._trainer._forward_overflow.after_step()  # work only on skipped steps
         skipped = scaler.step_was_skipped
         step = state.global_step + 1  # global_step is incremented right after this event
         self._trainer.scale_history.append(
             {"step": step, "scale": self._scale_before_step, "skipped": skipped}
         )
         self._trainer._last_step_skipped = skipped
-        if skipped:
+        if skipped and forward is None:  # a forward overflow was reported as such already
             names = scaler.stats.last_overflow_params
             logger.info(
                 "Step %d skipped: non-finite gradients at loss scale %g (now %g)%s",
