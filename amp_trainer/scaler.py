@@ -41,7 +41,7 @@ _STATE_VERSION = 1
 _NAMES_SHOWN = 8
 
 
-class LossScaleError(FloatingPointError):
+class LossScaleError(FloatingPointError, RuntimeError):
     """Gradients kept overflowing at the minimum loss scale: FP16 cannot represent this run.
 
     A ``FloatingPointError`` so that code catching the stdlib's numeric failures catches it too.
