@@ -60,7 +60,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 
 try:
     from transformers.trainer_utils import unwrap_peft_model
-except ImportError:  # transformers < 5.2 has no public unwrap_peft_model
+except ImportError:  # transformers 5.0 and 5.1 have no public unwrap_peft_model
 
     def unwrap_peft_model(model: nn.Module) -> nn.Module:
         """The model under a PEFT wrapper (``PeftModel``, ``PeftMixedModel``), else ``model``."""
@@ -475,7 +475,7 @@ class AmpTrainerMixin(Trainer):
         # The model trained may differ from the one at __init__ (model_init, hyperparameter
         # search), so the policy is applied again on the model the optimizer is built for.
         self._apply_precision_policy(self.model if model is None else model)
-        if model is None:  # transformers < 5.x: create_optimizer(self) takes no model
+        if model is None:  # before transformers 5.3, create_optimizer(self) takes no model
             return super().create_optimizer()
         return super().create_optimizer(model)
 
