@@ -85,6 +85,10 @@ class MixinFirst(AmpTrainerMixin, Seq2SeqTrainer):
     pass
 
 
+class Seq2SeqThenAmpTrainer(Seq2SeqTrainer, AmpTrainer):  # the order that refused loss_scaler=
+    pass
+
+
 @pytest.mark.parametrize("trainer_cls", [AmpSeq2SeqTrainer, MixinFirst, Seq2SeqFirst])
 def test_mixin_on_seq2seq_trainer_skips_an_overflow_step_in_either_base_order(
     tmp_path, trainer_cls
@@ -105,7 +109,7 @@ def test_mixin_on_seq2seq_trainer_skips_an_overflow_step_in_either_base_order(
     assert [entry["loss_scale"] for entry in logs] == [1024.0, 512.0, 512.0]
 
 
-@pytest.mark.parametrize("trainer_cls", [MixinFirst, Seq2SeqFirst])
+@pytest.mark.parametrize("trainer_cls", [MixinFirst, Seq2SeqFirst, Seq2SeqThenAmpTrainer])
 def test_loss_scaler_keyword_reaches_the_mixin_in_either_base_order(tmp_path, trainer_cls):
     scaler = DynamicLossScaler("cpu", init_scale=2.0**5)
     trainer = trainer_cls(
