@@ -58,26 +58,30 @@ from transformers import (
 )
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
-try:
-    from transformers.trainer_utils import unwrap_peft_model
-except ImportError:  # transformers 5.0 and 5.1 have no public unwrap_peft_model
-
-    def unwrap_peft_model(model: nn.Module) -> nn.Module:
-        """The model under a PEFT wrapper (``PeftModel``, ``PeftMixedModel``), else ``model``."""
-        if type(model).__module__.startswith("peft."):
-            if hasattr(model, "get_base_model"):
-                return model.get_base_model()
-            if hasattr(model, "base_model") and hasattr(model.base_model, "model"):
-                return model.base_model.model
-        return model
-
-
 from amp_trainer.precision import (
     cast_trainable_params_to_fp32,
     keep_norms_in_fp32,
     resolve_precision,
 )
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
+
+try:
+    from transformers.trainer_utils import unwrap_peft_model
+except ImportError:  # transformers 5.0 and 5.1 have no public unwrap_peft_model
+
+    def unwrap_peft_model(model: nn.Module) -> nn.Module:
+        """The model under a PEFT wrapper (``PeftModel``, ``PeftMixedModel``), else ``model``."""
+        from transformers.utils import is_peft_available
+
+        if is_peft_available():
+            from peft import PeftMixedModel, PeftModel
+
+            if isinstance(model, PeftModel):
+                return model.get_base_model()
+            if isinstance(model, PeftMixedModel):  # has no get_base_model
+                return model.base_model.model
+        return model
+
 
 __all__ = [
     "AmpSeq2SeqTrainer",
@@ -363,6 +367,7 @@ class AmpTrainerMixin(Trainer):
     or ``class X(SFTTrainer, AmpTrainerMixin)``. It derives from ``Trainer`` itself so that the
     method resolution order always puts it between the other class and ``Trainer`` (a plain
     ``object`` mixin listed second would come after ``Trainer`` and never run).
+
     Use it exactly like ``Trainer``; pass :class:`AmpTrainingArguments` for the scaler knobs (a
     plain ``TrainingArguments`` works too, with the scaler's defaults). ``loss_scaler`` replaces
     the scaler built from the arguments, e.g. to share one across trainers or to set
