@@ -13,8 +13,9 @@ import logging
 import pytest
 from conftest import make_tiny_bert
 from test_trainer_support import InjectOverflow, ToyClassification, amp_args
+from transformers import HfArgumentParser
 
-from amp_trainer import AmpTrainer
+from amp_trainer import AmpTrainer, AmpTrainingArguments
 from amp_trainer.scaler import LossScaleError
 
 
@@ -95,3 +96,11 @@ def test_a_bad_limit_is_a_value_error_naming_the_argument(tmp_path, value):
 def test_loss_scale_error_is_both_a_runtime_error_and_a_floating_point_error():
     assert issubclass(LossScaleError, RuntimeError)
     assert issubclass(LossScaleError, FloatingPointError)
+
+
+def test_the_limit_parses_from_a_cli_flag(tmp_path):
+    (args,) = HfArgumentParser(AmpTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--max_consecutive_skipped_steps", "7"]
+    )
+
+    assert args.max_consecutive_skipped_steps == 7
