@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmpAccelerator",
+    "AmpSeq2SeqTrainer",
+    "AmpSeq2SeqTrainingArguments",
     "AmpTrainer",
     "AmpTrainerMixin",
     "AmpTrainingArguments",
@@ -30,6 +32,8 @@ _WHERE = {
     "keep_in_fp32": "amp_trainer.precision",
     "AmpAccelerator": "amp_trainer.accelerate_hooks",
     "install_scaler": "amp_trainer.accelerate_hooks",
+    "AmpSeq2SeqTrainer": "amp_trainer.trainer",
+    "AmpSeq2SeqTrainingArguments": "amp_trainer.trainer",
     "AmpTrainer": "amp_trainer.trainer",
     "AmpTrainerMixin": "amp_trainer.trainer",
     "AmpTrainingArguments": "amp_trainer.trainer",
@@ -41,7 +45,13 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.export import export_fp16
     from amp_trainer.precision import keep_in_fp32, keep_norms_in_fp32
     from amp_trainer.scaler import DynamicLossScaler
-    from amp_trainer.trainer import AmpTrainer, AmpTrainerMixin, AmpTrainingArguments
+    from amp_trainer.trainer import (
+        AmpSeq2SeqTrainer,
+        AmpSeq2SeqTrainingArguments,
+        AmpTrainer,
+        AmpTrainerMixin,
+        AmpTrainingArguments,
+    )
 
 
 def __getattr__(name: str) -> Any:

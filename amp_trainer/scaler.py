@@ -52,7 +52,7 @@ _F32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # smal
 _NAMES_SHOWN = 8
 
 
-class LossScaleError(FloatingPointError):
+class LossScaleError(FloatingPointError, RuntimeError):
     """Gradients kept overflowing at the minimum loss scale: FP16 cannot represent this run.
 
     A ``FloatingPointError`` so that code catching the stdlib's numeric failures catches it too.

@@ -52,6 +52,7 @@ config.json);
 from __future__ import annotations
 
 import errno
+import functools
 import inspect
 import json
 import logging
@@ -65,9 +66,15 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 from transformers.trainer_callback import TrainerState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, unwrap_peft_model
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
 from amp_trainer.atomic_files import is_disk_full, write_json_atomic
@@ -79,9 +86,33 @@ from amp_trainer.precision import (
     resolve_precision,
     restore_fp32_islands,
 )
-from amp_trainer.scaler import DynamicLossScaler
+from amp_trainer.scaler import DynamicLossScaler, LossScaleError
 
-__all__ = ["AmpTrainer", "AmpTrainerMixin", "AmpTrainingArguments"]
+try:
+    from transformers.trainer_utils import unwrap_peft_model
+except ImportError:  # transformers 5.0 and 5.1 have no public unwrap_peft_model
+
+    def unwrap_peft_model(model: nn.Module) -> nn.Module:
+        """The model under a PEFT wrapper (``PeftModel``, ``PeftMixedModel``), else ``model``."""
+        from transformers.utils import is_peft_available
+
+        if is_peft_available():
+            from peft import PeftMixedModel, PeftModel
+
+            if isinstance(model, PeftModel):
+                return model.get_base_model()
+            if isinstance(model, PeftMixedModel):  # has no get_base_model
+                return model.base_model.model
+        return model
+
+
+__all__ = [
+    "AmpSeq2SeqTrainer",
+    "AmpSeq2SeqTrainingArguments",
+    "AmpTrainer",
+    "AmpTrainerMixin",
+    "AmpTrainingArguments",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +123,9 @@ _SCALER_FILE, _TRAINER_STATE_FILE = "scaler.pt", "trainer_state.json"
 #: started with and the whole run's scale history, so that a resumed run can tell what changed
 #: and report all of its steps, not just those since the resume.
 AMP_STATE_FILE = "amp_trainer_state.json"
+# Default runaway guard for arguments without the field (a plain TrainingArguments or SFTConfig):
+# the limit transformers' own Trainer applies to consecutive skipped optimizer steps.
+_MAX_CONSECUTIVE_SKIPS = 100
 
 # AmpTrainingArguments field -> DynamicLossScaler keyword. The scaler validates the values; its
 # messages name the keyword, which we translate back to the field the user actually wrote.
@@ -153,6 +187,14 @@ class AmpTrainingArguments(TrainingArguments):
             "skipped). 1 is torch.amp.GradScaler's behaviour."
         },
     )
+    max_consecutive_skipped_steps: int = field(
+        default=100,
+        metadata={
+            "help": "End the run with LossScaleError after this many optimizer steps in a row were "
+            "skipped for non-finite gradients, whatever on_min_loss_scale says: such a run no "
+            "longer trains. 0 disables the limit."
+        },
+    )
     loss_scale_min: float | None = field(
         default=None,
         metadata={
@@ -185,6 +227,24 @@ class AmpTrainingArguments(TrainingArguments):
         },
     )
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Note the fp16/bf16 flags a subclass instance was built with, before any __post_init__.
+
+        In ``class A(SFTConfig, AmpTrainingArguments)`` TRL's ``__post_init__`` runs first and
+        replaces its ``bf16=None`` default with ``True``; only the values the dataclass
+        ``__init__`` assigned say what the user asked for.
+        """
+        super().__init_subclass__(**kwargs)
+        post_init = cls.__post_init__
+
+        @functools.wraps(post_init)
+        def __post_init__(self: AmpTrainingArguments, *args: Any, **kw: Any) -> None:
+            if "_amp_flags_given" not in self.__dict__:
+                self._amp_flags_given = {"fp16": self.fp16, "bf16": self.bf16}
+            post_init(self, *args, **kw)
+
+        cls.__post_init__ = __post_init__
+
     def __post_init__(self) -> None:
         # Resolve before TrainingArguments.__post_init__, which derives mixed_precision (and so
         # Accelerate's autocast) from the fp16/bf16 flags. TrainingArguments 5.24 does not refuse
@@ -200,12 +260,22 @@ class AmpTrainingArguments(TrainingArguments):
         check_policy(self.on_forward_overflow)
         if isinstance(self.fp32_modules, str):
             self.fp32_modules = [self.fp32_modules]
+        limit = self.max_consecutive_skipped_steps
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(
+                f"max_consecutive_skipped_steps must be an int >= 0 (0: no limit), got {limit!r}"
+            )
 
     def _resolve_precision(self) -> str:
         requested = self.precision
         if requested not in _PRECISIONS:
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {requested!r}")
-        flags = [name for name in ("fp16", "bf16") if getattr(self, name)]
+        # The flags as the caller set them, before any parent class's __post_init__ filled in a
+        # default of its own (TRL's configs turn bf16=None into bf16=not fp16 before ours runs).
+        given = self.__dict__.pop("_amp_flags_given", None) or {
+            name: getattr(self, name) for name in ("fp16", "bf16")
+        }
+        flags = [name for name in ("fp16", "bf16") if given[name]]
         if len(flags) > 1:
             raise ValueError("At most one of fp16 and bf16 can be True, got fp16=True, bf16=True")
         if flags and requested not in ("auto", flags[0]):
@@ -294,6 +364,10 @@ class _LossScaleMonitor(TrainerCallback):
     def __init__(self, trainer: AmpTrainerMixin) -> None:
         self._trainer = trainer
         self._scale_before_step = 1.0
+        self._skips_in_a_row = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._skips_in_a_row = 0
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         scaler = self._trainer.loss_scaler
@@ -322,12 +396,31 @@ class _LossScaleMonitor(TrainerCallback):
                 scaler.get_scale(),
                 f" in {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}" if names else "",
             )
+        self._skips_in_a_row = self._skips_in_a_row + 1 if skipped else 0
+        limit = getattr(args, "max_consecutive_skipped_steps", _MAX_CONSECUTIVE_SKIPS)
+        if limit and self._skips_in_a_row >= limit:
+            # Every on_min_loss_scale mode ends here: "warn"/"clamp" (and "raise" with a low
+            # loss_scale_min or hysteresis) would otherwise skip to max_steps and return normally.
+            names = scaler.stats.last_overflow_params
+            raise LossScaleError(
+                f"{self._skips_in_a_row} consecutive optimizer steps were skipped (steps "
+                f"{step - self._skips_in_a_row + 1}-{step}, non-finite gradients; loss scale now "
+                f"{scaler.get_scale():g}): the run is no longer training, so it stops here "
+                f"(max_consecutive_skipped_steps={limit})."
+                + (f" Last overflowing parameters: {', '.join(names[:8])}." if names else "")
+                + " Rerun the batch in FP32 (`amp-trainer doctor`) to tell a model/data/learning "
+                "rate bug from an FP16 range problem."
+            )
 
 
-class AmpTrainerMixin:
+class AmpTrainerMixin(Trainer):
     """All of :class:`AmpTrainer`'s behaviour, for any :class:`transformers.Trainer` subclass.
 
-    Mix it in ahead of the Trainer class: ``class MyTrainer(AmpTrainerMixin, Seq2SeqTrainer)``.
+    Mix it into any Trainer class, in either order: ``class X(AmpTrainerMixin, Seq2SeqTrainer)``
+    or ``class X(SFTTrainer, AmpTrainerMixin)``. It derives from ``Trainer`` itself so that the
+    method resolution order always puts it between the other class and ``Trainer`` (a plain
+    ``object`` mixin listed second would come after ``Trainer`` and never run).
+
     Use it exactly like ``Trainer``; pass :class:`AmpTrainingArguments` for the scaler knobs (a
     plain ``TrainingArguments`` works too, with the scaler's defaults). ``loss_scaler`` replaces
     the scaler built from the arguments, e.g. to share one across trainers or to set
@@ -344,9 +437,29 @@ class AmpTrainerMixin:
             into ``args`` so that what is recorded is what ran).
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Take ``loss_scaler=`` before any ``__init__`` in the chain sees it.
+
+        In ``class X(Seq2SeqTrainer, AmpTrainerMixin)`` ``Seq2SeqTrainer.__init__`` runs first and
+        names its parameters, so it would refuse the keyword: each subclass's ``__init__`` is
+        wrapped to set the scaler aside, and the mixin's ``__init__`` picks it up.
+        """
+        super().__init_subclass__(**kwargs)
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self: AmpTrainerMixin, *args: Any, **kw: Any) -> None:
+            if "loss_scaler" in kw:
+                self._amp_loss_scaler_given = kw.pop("loss_scaler")
+            init(self, *args, **kw)
+
+        cls.__init__ = __init__
+
     def __init__(
         self, *args: Any, loss_scaler: DynamicLossScaler | None = None, **kwargs: Any
     ) -> None:
+        if loss_scaler is None:  # set aside by a subclass's __init__ (see __init_subclass__)
+            loss_scaler = self.__dict__.pop("_amp_loss_scaler_given", None)
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise TypeError(
                 f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}"
@@ -372,6 +485,10 @@ class AmpTrainerMixin:
                 "divided by gradient_accumulation_steps here (stock Trainer would not).",
                 type(unwrap_peft_model(self.model)).__name__,
             )
+        if getattr(self, "loss_is_scaled_for_ga", None) is not None:
+            # The trainer class says how its own compute_loss scales (TRL's DPO, GRPO, ...; and TRL
+            # sets model_accepts_loss_kwargs from it on transformers < 5.19): keep its answer.
+            self.model_accepts_loss_kwargs = stock
 
     # -- accelerator -------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -453,6 +570,8 @@ class AmpTrainerMixin:
         # The model trained may differ from the one at __init__ (model_init, hyperparameter
         # search), so the policy is applied again on the model the optimizer is built for.
         self._apply_precision_policy(self.model if model is None else model)
+        if model is None:  # before transformers 5.3, create_optimizer(self) takes no model
+            return super().create_optimizer()
         return super().create_optimizer(model)
 
     # -- observability -----------------------------------------------------------------------
@@ -748,3 +867,16 @@ class AmpTrainer(AmpTrainerMixin, Trainer):
 
     Everything lives in :class:`AmpTrainerMixin`; this is the mixin on stock ``Trainer``.
     """
+
+
+class AmpSeq2SeqTrainer(AmpTrainerMixin, Seq2SeqTrainer):
+    """:class:`transformers.Seq2SeqTrainer` with amp-trainer's loss scaler and precision policy.
+
+    Pair it with :class:`AmpSeq2SeqTrainingArguments` for both argument sets (``precision``,
+    ``loss_scale_*`` and ``predict_with_generate``, ``generation_max_length``, ...).
+    """
+
+
+@dataclass
+class AmpSeq2SeqTrainingArguments(AmpTrainingArguments, Seq2SeqTrainingArguments):
+    """:class:`AmpTrainingArguments` and :class:`~transformers.Seq2SeqTrainingArguments` in one."""

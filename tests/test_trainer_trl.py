@@ -1,0 +1,182 @@
+"""TRL's SFTTrainer and DPOTrainer with AmpTrainerMixin, end to end, and AmpTrainingArguments
+combined with SFTConfig/DPOConfig in either order.
+
+Tiny GPT-2 models built from a config and a byte-level BPE tokenizer trained here (nothing is
+downloaded); fp16 on the CPU with amp-trainer's scaler really in the loop: an overflow injected
+into a real gradient is skipped and the loss scale appears in the logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from conftest import make_tiny_gpt2
+from test_trainer_support import InjectOverflow, train_logs
+
+trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
+from datasets import Dataset  # noqa: E402
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+from amp_trainer import AmpTrainerMixin, AmpTrainingArguments  # noqa: E402
+from amp_trainer.data import train_byte_level_bpe_tokenizer  # noqa: E402
+
+_COLOURS = ["red", "green", "blue", "yellow", "black", "white", "orange", "purple"]
+_THINGS = ["apple", "car", "house", "bird", "river", "stone", "cloud", "book"]
+
+
+def _sentences(n: int) -> list[str]:
+    return [
+        f"The {_COLOURS[i % 8]} {_THINGS[(i * 3) % 8]} is next to the {_THINGS[(i * 5) % 8]}."
+        for i in range(n)
+    ]
+
+
+@pytest.fixture
+def tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMP_TRAINER_CACHE", str(tmp_path / "cache"))
+    return train_byte_level_bpe_tokenizer(_sentences(64), vocab_size=300, model_max_length=64)
+
+
+def _gpt2(tokenizer):
+    """A 2-layer, 32-wide GPT-2 over the local tokenizer's vocabulary (same seed: same weights)."""
+    model = make_tiny_gpt2(vocab_size=len(tokenizer))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.config, name, tokenizer.eos_token_id)
+        setattr(model.generation_config, name, tokenizer.eos_token_id)
+    return model
+
+
+@dataclasses.dataclass
+class AmpSFTConfig(SFTConfig, AmpTrainingArguments):
+    pass
+
+
+@dataclasses.dataclass
+class AmpDPOConfig(AmpTrainingArguments, DPOConfig):
+    pass
+
+
+class AmpSFTTrainer(AmpTrainerMixin, SFTTrainer):
+    pass
+
+
+class SFTThenAmpTrainer(SFTTrainer, AmpTrainerMixin):
+    pass
+
+
+class AmpDPOTrainer(DPOTrainer, AmpTrainerMixin):
+    pass
+
+
+def _common(tmp_path) -> dict:
+    return dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        precision="fp16",
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        loss_scale_init=2.0**10,
+        max_length=32,
+        gradient_checkpointing=False,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer_cls", [AmpSFTTrainer, SFTThenAmpTrainer])
+def test_sft_trainer_trains_fp16_with_the_scaler_skipping_an_overflow(
+    tmp_path, tokenizer, trainer_cls
+):
+    model = _gpt2(tokenizer)
+    trainer = trainer_cls(
+        model=model,
+        args=AmpSFTConfig(**_common(tmp_path)),
+        train_dataset=Dataset.from_dict({"text": _sentences(24)}),
+        processing_class=tokenizer,
+        callbacks=[InjectOverflow(model.transformer.h[0].mlp.c_fc.weight, {2})],
+    )
+    trainer.train()
+
+    assert trainer.args.fp16 and not trainer.args.bf16
+    assert trainer.loss_scaler.stats.steps == 3 and trainer.loss_scaler.stats.skipped == 1
+    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False]
+    logs = train_logs(trainer)
+    assert [entry["loss_scale"] for entry in logs] == [1024.0, 512.0, 512.0]
+    assert all(math.isfinite(entry["loss"]) for entry in logs)
+
+
+@pytest.mark.slow
+def test_dpo_trainer_trains_fp16_with_the_scaler_skipping_an_overflow(tmp_path, tokenizer):
+    prompts = [f"Which {thing} is it?" for thing in _THINGS] * 2
+    chosen = [f" The {c} one." for c in _COLOURS] * 2
+    rejected = [" I do not know." for _ in prompts]
+    model = _gpt2(tokenizer)
+    trainer = AmpDPOTrainer(
+        model=model,
+        ref_model=_gpt2(tokenizer),
+        args=AmpDPOConfig(**_common(tmp_path)),
+        train_dataset=Dataset.from_dict(
+            {"prompt": prompts, "chosen": chosen, "rejected": rejected}
+        ),
+        processing_class=tokenizer,
+        callbacks=[InjectOverflow(model.transformer.h[0].mlp.c_fc.weight, {2})],
+    )
+    trainer.train()
+
+    assert trainer.loss_scaler.stats.steps == 3 and trainer.loss_scaler.stats.skipped == 1
+    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False]
+    logs = train_logs(trainer)
+    assert [entry["loss_scale"] for entry in logs] == [1024.0, 512.0, 512.0]
+    assert all("rewards/chosen" in entry for entry in logs)  # DPO's own metrics still logged
+
+
+# ---- AmpTrainingArguments combined with TRL's configs ----------------------------------------
+def _combined(first, second):
+    return dataclasses.dataclass(type(f"{first.__name__}{second.__name__}", (first, second), {}))
+
+
+COMBINED = [
+    _combined(SFTConfig, AmpTrainingArguments),
+    _combined(AmpTrainingArguments, SFTConfig),
+    _combined(DPOConfig, AmpTrainingArguments),
+    _combined(AmpTrainingArguments, DPOConfig),
+]
+
+
+@pytest.mark.parametrize("cls", COMBINED, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ({"precision": "fp16"}, ("fp16", True, False)),
+        ({"fp16": True}, ("fp16", True, False)),
+        ({"bf16": True}, ("bf16", False, True)),
+        ({"precision": "fp32"}, ("fp32", False, False)),
+    ],
+)
+def test_trl_config_combined_in_either_order_takes_what_the_user_set(
+    tmp_path, cls, given, expected
+):
+    args = cls(output_dir=str(tmp_path), use_cpu=True, report_to="none", **given)
+
+    assert (args.precision, args.fp16, args.bf16) == expected
+
+
+@pytest.mark.parametrize("cls", COMBINED, ids=lambda cls: cls.__name__)
+def test_trl_config_combined_still_refuses_a_real_contradiction(tmp_path, cls):
+    with pytest.raises(ValueError, match="precision='fp16' contradicts bf16=True"):
+        cls(output_dir=str(tmp_path), use_cpu=True, precision="fp16", bf16=True)
+
+
+def test_trl_default_bf16_yields_to_precision_auto(tmp_path):
+    # SFTConfig alone turns bf16=None into bf16=True; combined with ours, "auto" is our policy.
+    args = AmpSFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    plain = AmpTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+
+    assert SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").bf16
+    assert (args.precision, args.fp16, args.bf16) == (plain.precision, plain.fp16, plain.bf16)
