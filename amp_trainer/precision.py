@@ -198,10 +198,13 @@ def resolve_precision(requested: str = "auto", device: str | torch.device | None
         )
     if precision == "auto":
         if dev.type == "cuda":
-            return "fp16"
-        if _autocast_available(dev.type) and _native_bf16(dev):
-            return "bf16"
-        return "fp32"
+            picked, why = "fp16", "a CUDA device (FP16 tensor cores, made safe by the loss scaler)"
+        elif _autocast_available(dev.type) and _native_bf16(dev):
+            picked, why = "bf16", "it has BF16 arithmetic in hardware"
+        else:
+            picked, why = "fp32", "it has no BF16 in hardware (FP16/BF16 would be emulated, slower)"
+        logger.info("precision='auto' picked %s on %s: %s", picked, dev, why)
+        return picked
     if precision == "fp32":
         return "fp32"
     if not _autocast_available(dev.type):

@@ -249,7 +249,15 @@ class AmpTrainingArguments(TrainingArguments):
         # Resolve before TrainingArguments.__post_init__, which derives mixed_precision (and so
         # Accelerate's autocast) from the fp16/bf16 flags. TrainingArguments 5.24 does not refuse
         # fp16 on a CPU; it just never turns it on (Accelerate drops it), which AmpTrainer fixes.
+        # `accelerate launch --cpu` says "CPU" only through ACCELERATE_USE_CPU, which
+        # TrainingArguments reads for the device but not for its bf16 check (it would refuse bf16).
+        if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+            self.use_cpu = True
         self.precision = self._resolve_precision()
+        if self.precision == "bf16" and not (
+            is_torch_bf16_gpu_available() or is_torch_xla_available()
+        ):
+            self.use_cpu = True  # the CPU is the only bf16 device here: what bf16 means is clear
         self.fp16 = self.precision == "fp16"
         self.bf16 = self.precision == "bf16"
         super().__post_init__()
@@ -290,6 +298,8 @@ class AmpTrainingArguments(TrainingArguments):
             # "auto" follows the launcher, as a plain TrainingArguments would.
             launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
             requested = {"fp16": "fp16", "bf16": "bf16"}.get(launcher, "auto")
+            if requested != "auto":
+                logger.info("precision='auto' picked %s: the launcher's mixed_precision", requested)
         device = "cpu" if self.use_cpu else None
         precision = resolve_precision(requested, device)
         if (
