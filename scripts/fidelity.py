@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -127,6 +128,10 @@ def run_one(recipe: str, precision: str, seed: int, threads: int, cache: str) ->
         value = _dig(metrics, keys)
         record[name] = None if value is None else value * factor
     record["loss_scale"] = metrics.get("loss_scale")
+    record["tokenizers"] = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        for p in sorted((Path(cache) / "tokenizers").glob("*.json"))
+    }
     record["train_runtime_s"] = _dig(metrics, ("train", "train_runtime"))
     return record
 
@@ -202,30 +207,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS; 0: torch's own")
     parser.add_argument("--summary-only", action="store_true", help="no runs, table only")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "amp-trainer-fidelity-cache",
+        help="AMP_TRAINER_CACHE shared by all runs (keep it to resume with the same tokenizers)",
+    )
     args = parser.parse_args(argv)
 
     args.results.mkdir(parents=True, exist_ok=True)
     info = machine()
     print(f"machine: {json.dumps(info)}", flush=True)
     if not args.summary_only:
-        # Cheap: the precision's first run trains the tokenizer; the rest load it (same corpus).
-        cache = tempfile.mkdtemp(prefix="fidelity-cache-")
-        # Precision innermost, seeds outermost: a partial sweep has whole seeds of every mode.
-        for seed in args.seeds:
-            for recipe in args.recipes:
-                for precision in args.precisions:
-                    path = result_path(args.results, recipe, precision, seed)
-                    if path.is_file():
-                        continue
-                    record = run_one(recipe, precision, seed, args.threads, cache)
-                    record["machine"] = {**info, "load_average": record["load_before"]}
-                    path.write_text(json.dumps(record, indent=2) + "\n")
-                    shown = {k: record.get(k) for k, *_ in METRICS[recipe]}
-                    print(
-                        f"{recipe} {precision} seed {seed}: rc={record['returncode']} {shown} "
-                        f"{record['process_wall_s']} s, load {record['load_before']}",
-                        flush=True,
-                    )
+        # One tokenizer for the whole sweep: the first run trains it, the others load it. This
+        # matters: `tokenizers`' WordPiece/BPE training is not deterministic (hash-map order
+        # breaks ties; huggingface/tokenizers#1794), so a fresh cache per run would change the
+        # vocabulary between the runs being compared. Each result records the tokenizer's hash.
+        cache = str(args.cache)
+        # fp32 and fp16 (the comparison that matters) for every seed first, bf16 (up to 5x
+        # slower on CPUs without native BF16) after them, so a partial sweep answers the question.
+        groups = [
+            [p for p in args.precisions if p != "bf16"],
+            [p for p in args.precisions if p == "bf16"],
+        ]
+        runs = [
+            (seed, recipe, precision)
+            for group in groups
+            for seed in args.seeds
+            for recipe in args.recipes
+            for precision in group
+        ]
+        for seed, recipe, precision in runs:
+            path = result_path(args.results, recipe, precision, seed)
+            if path.is_file():
+                continue
+            record = run_one(recipe, precision, seed, args.threads, cache)
+            record["machine"] = {**info, "load_average": record["load_before"]}
+            path.write_text(json.dumps(record, indent=2) + "\n")
+            shown = {k: record.get(k) for k, *_ in METRICS[recipe]}
+            print(
+                f"{recipe} {precision} seed {seed}: rc={record['returncode']} {shown} "
+                f"{record['process_wall_s']} s, load {record['load_before']}",
+                flush=True,
+            )
     records = load_results(args.results)
     table = summarize(records)
     loads = [r["load_before"][0] for r in records if "load_before" in r]
