@@ -17,6 +17,7 @@ AmpTrainer.train/evaluate -> save model, metrics.json, training.png, FP16 export
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -154,6 +155,7 @@ def main(argv: list[str]) -> None:
     # Read by the CUDA caching allocator when it starts; it cuts fragmentation with mixed dtypes.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     started = time.perf_counter()
+    clock = {"start": started}  # phase end times, for metrics.json's phase_seconds
 
     # ---- arguments
     parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, AmpTrainingArguments))
@@ -218,6 +220,8 @@ def main(argv: list[str]) -> None:
         majority,
     )
 
+    clock["data"] = time.perf_counter()
+
     # ---- tokenizer (trained on the train split for from-scratch models; rank 0 first: cache)
     with training_args.main_process_first(desc="tokenizer"):
         texts = [t for c in data.text_columns for t in data.datasets["train"][c]]
@@ -228,6 +232,7 @@ def main(argv: list[str]) -> None:
             data_args.max_seq_length,
         )
         encoded = tokenize_classification(data, tokenizer, data_args.max_seq_length)
+    clock["tokenizer and map"] = time.perf_counter()
 
     # ---- model
     model = build_classifier(
@@ -243,6 +248,7 @@ def main(argv: list[str]) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("model: %d parameters, %d trainable", total, trainable)
+    clock["model"] = time.perf_counter()
 
     # ---- train and evaluate
     trainer = AmpTrainer(
@@ -255,8 +261,11 @@ def main(argv: list[str]) -> None:
         compute_metrics=compute_metrics,
     )
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    clock["train"] = time.perf_counter()
     eval_metrics = trainer.evaluate()
+    clock["evaluate"] = time.perf_counter()
     trainer.save_model()  # the final model (LoRA: the adapter) and the tokenizer
+    clock["save"] = time.perf_counter()
     if not trainer.is_world_process_zero():
         # Leave the process group before exiting: a rank that just returned while gloo's threads
         # were alive was seen to abort ("terminate called without an active exception").
@@ -275,6 +284,7 @@ def main(argv: list[str]) -> None:
         output_dir / "training.png",
         title=f"{model_args.model_name_or_path} ({training_args.precision})",
     )
+    clock["plot"] = time.perf_counter()
     export_model = model.merge_and_unload() if model_args.lora else trainer.model
     samples = list(data.datasets["validation"][data.text_columns[0]][:8])
     report = export_fp16(
@@ -285,7 +295,18 @@ def main(argv: list[str]) -> None:
         overwrite=True,
     )
     write_json_atomic(output_dir / "fp16_export_report.json", report.to_dict())
+    clock["fp16_export"] = time.perf_counter()
     wall = time.perf_counter() - started
+    # Where the run's time went, phase by phase (imports and the launcher come before `started`).
+    steps = itertools.pairwise(clock.items())
+    phases = {name: round(end - begin, 2) for (_, begin), (name, end) in steps}
+    phases["evaluations, included above"] = round(
+        sum(
+            e.get("eval_runtime", 0) + e.get("untrained_runtime", 0)
+            for e in trainer.state.log_history
+        ),
+        2,
+    )
     metrics = {
         "train": train_result.metrics,
         "eval": eval_metrics,
@@ -295,6 +316,7 @@ def main(argv: list[str]) -> None:
         "memory": memory,
         "fp16_export_passed": report.passed,
         "wall_time_s": wall,
+        "phase_seconds": phases,
         "precision": training_args.precision,
         "config": {
             "model": asdict(model_args),

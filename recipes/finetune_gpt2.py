@@ -19,6 +19,7 @@ FP16 export, summary table.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -154,6 +155,7 @@ def main(argv: list[str]) -> None:
     # Read by the CUDA caching allocator when it starts; it cuts fragmentation with mixed dtypes.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     started = time.perf_counter()
+    clock = {"start": started}  # phase end times, for metrics.json's phase_seconds
 
     # ---- arguments
     parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, AmpTrainingArguments))
@@ -198,6 +200,8 @@ def main(argv: list[str]) -> None:
         "%d train / %d validation rows", corpus["train"].num_rows, corpus["validation"].num_rows
     )
 
+    clock["data"] = time.perf_counter()
+
     # ---- tokenizer (trained on the train split for from-scratch models; rank 0 first: cache)
     with training_args.main_process_first(desc="tokenizer"):
         tokenizer = causal_lm_tokenizer(
@@ -205,6 +209,7 @@ def main(argv: list[str]) -> None:
         )
         block_size = min(data_args.block_size, tokenizer.model_max_length)
         blocks = tokenize_and_chunk(corpus, tokenizer, block_size)
+    clock["tokenizer and map"] = time.perf_counter()
     limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
     for split, limit in limits.items():
         if limit is not None:
@@ -225,6 +230,7 @@ def main(argv: list[str]) -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("model: %d parameters, %d trainable", total, trainable)
+    clock["model"] = time.perf_counter()
 
     # ---- evaluate untrained, train, evaluate
     trainer = AmpTrainer(
@@ -236,14 +242,18 @@ def main(argv: list[str]) -> None:
         data_collator=default_data_collator,
     )
     before = trainer.evaluate(metric_key_prefix="untrained")
+    clock["evaluate untrained"] = time.perf_counter()
     prompt, new_tokens = data_args.prompt, data_args.sample_tokens
     sample_before = None
     if trainer.is_world_process_zero():
         sample_before = greedy_sample(trainer.model, tokenizer, prompt, new_tokens)
         logger.info("sample before training: %r", sample_before)
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    clock["train"] = time.perf_counter()
     eval_metrics = trainer.evaluate()
+    clock["evaluate"] = time.perf_counter()
     trainer.save_model()  # the final model (LoRA: the adapter) and the tokenizer
+    clock["save"] = time.perf_counter()
     if not trainer.is_world_process_zero():
         # Leave the process group before exiting: a rank that just returned while gloo's threads
         # were alive was seen to abort ("terminate called without an active exception").
@@ -268,6 +278,7 @@ def main(argv: list[str]) -> None:
         output_dir / "training.png",
         title=f"{model_args.model_name_or_path} ({training_args.precision})",
     )
+    clock["plot"] = time.perf_counter()
     export_model = model.merge_and_unload() if model_args.lora else trainer.model
     samples = [t for t in corpus["validation"]["text"][:50] if t.strip()][:8]
     report = export_fp16(
@@ -278,7 +289,18 @@ def main(argv: list[str]) -> None:
         overwrite=True,
     )
     write_json_atomic(output_dir / "fp16_export_report.json", report.to_dict())
+    clock["fp16_export"] = time.perf_counter()
     wall = time.perf_counter() - started
+    # Where the run's time went, phase by phase (imports and the launcher come before `started`).
+    steps = itertools.pairwise(clock.items())
+    phases = {name: round(end - begin, 2) for (_, begin), (name, end) in steps}
+    phases["evaluations, included above"] = round(
+        sum(
+            e.get("eval_runtime", 0) + e.get("untrained_runtime", 0)
+            for e in trainer.state.log_history
+        ),
+        2,
+    )
     metrics = {
         "train": train_result.metrics,
         "eval": {**eval_metrics, "perplexity": ppl_after},
@@ -290,6 +312,7 @@ def main(argv: list[str]) -> None:
         "memory": memory,
         "fp16_export_passed": report.passed,
         "wall_time_s": wall,
+        "phase_seconds": phases,
         "precision": training_args.precision,
         "config": {
             "model": asdict(model_args),
