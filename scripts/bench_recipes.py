@@ -43,6 +43,19 @@ RECIPES = {
     "gpt2": ("recipes/finetune_gpt2.py", "runs/gpt2_offline"),
 }
 MAX_WALL_S = 90.0
+# The recipes' phase_seconds keys in the order they happen (metrics.json stores them sorted).
+PHASES = (
+    "data",
+    "tokenizer and map",
+    "model",
+    "evaluate untrained",
+    "train",
+    "evaluate",
+    "save",
+    "plot",
+    "fp16_export",
+    "evaluations in train and after",
+)
 
 
 def accelerate_command() -> str:
@@ -107,7 +120,7 @@ def report(records: list[dict[str, Any]], info: dict[str, Any], argv: Sequence[s
     lines = [
         "# Recipe wall times (offline defaults, whole process)",
         "",
-        f"- command: `python scripts/bench_recipes.py {' '.join(argv)}`",
+        f"- command: `{' '.join(['python scripts/bench_recipes.py', *argv])}`",
         f"- date: {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",
         f"- CPU: {info['cpu']}, {info['cores']} cores (capability {info['cpu_capability']}, "
         f"native BF16: {info['native_bf16']}); torch {info['torch']}, transformers "
@@ -137,7 +150,8 @@ def report(records: list[dict[str, Any]], info: dict[str, Any], argv: Sequence[s
     lines += ["", "Phase seconds inside the recipe (after imports), per run:", ""]
     for r in records:
         if r.get("phase_seconds"):
-            phases = ", ".join(f"{k} {v}" for k, v in r["phase_seconds"].items())
+            seconds = r["phase_seconds"]
+            phases = ", ".join(f"{k} {seconds[k]}" for k in PHASES if k in seconds)
             lines.append(f"- {r['recipe']}: {phases}")
     return "\n".join(lines) + "\n"
 
