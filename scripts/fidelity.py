@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"- written {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",
         "",
     ]
-    text = "\n".join(header) + table + "\n"
+    text = "\n".join(header) + "\n" + table + "\n"
     args.summary.write_text(text)
     print(text)
     return 0
