@@ -211,6 +211,7 @@ def parse_args_with_config(
     if config_path is not None:
         values = load_yaml_config(config_path)
         dests = {action.dest for action in parser._actions}
+        values = _spell_for_installed_transformers(values, dests, config_path)
         unknown = sorted(set(values) - dests)
         if unknown:
             raise UsageError(
@@ -223,6 +224,31 @@ def parse_args_with_config(
             if action.dest in values:
                 action.required = False
     return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
+
+
+def _spell_for_installed_transformers(
+    values: dict[str, Any], dests: set[str], source: Any
+) -> dict[str, Any]:
+    """Translate TrainingArguments keys that transformers renamed, in whichever direction applies.
+
+    transformers 5.0 has ``group_by_length: true``; later 5.x releases replaced it with
+    ``train_sampling_strategy: group_by_length``. The shipped configs use the new spelling, and
+    ``pyproject.toml`` admits both releases, so a config must run on either.
+    """
+    values = dict(values)
+    new, old = "train_sampling_strategy", "group_by_length"
+    if new in values and new not in dests and old in dests:
+        strategy = values.pop(new)
+        if strategy not in ("random", "group_by_length"):
+            raise UsageError(
+                f"train_sampling_strategy: {strategy!r} in config file {str(source)!r} needs "
+                "a newer transformers; this one knows only 'random' and 'group_by_length' "
+                "(as group_by_length: true)"
+            )
+        values[old] = strategy == "group_by_length"
+    elif old in values and old not in dests and new in dests:
+        values[new] = "group_by_length" if values.pop(old) else "random"
+    return values
 
 
 def _typed_values(parser: Any, values: dict[str, Any], source: Any) -> dict[str, Any]:

@@ -308,9 +308,12 @@ def _training_argument_names() -> frozenset[str]:
     from amp_trainer.recipe_config import RunArguments
     from amp_trainer.trainer import AmpTrainingArguments
 
-    return frozenset(
+    names = {
         f.name for cls in (AmpTrainingArguments, RunArguments) for f in dataclasses.fields(cls)
-    )
+    }
+    # One setting, two spellings across transformers 5.x; the recipes' config loader translates
+    # between them (recipe_config._spell_for_installed_transformers), so both are valid here.
+    return frozenset(names | {"group_by_length", "train_sampling_strategy"})
 
 
 def detect_recipe_task(config: dict[str, Any], source: str = "the config") -> str:

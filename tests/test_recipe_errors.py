@@ -7,6 +7,7 @@ a real YAML file, a real non-UTF-8 CSV, a real truncated tokenizer cache, a real
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib.util
 import json
@@ -285,3 +286,55 @@ def test_a_truncated_safetensors_file_is_a_usage_error(tmp_path):
         load_file(str(path))
     code, message = describe_error(info.value)
     assert code == EXIT_USAGE and message.startswith("unreadable safetensors file:")
+
+
+@dataclasses.dataclass
+class _Transformers50Args:
+    group_by_length: bool = False
+
+
+@dataclasses.dataclass
+class _Transformers5xArgs:
+    train_sampling_strategy: str = dataclasses.field(
+        default="random", metadata={"choices": ["random", "group_by_length"]}
+    )
+
+
+@pytest.mark.parametrize(
+    ("args_class", "key", "yaml_value", "field", "expected"),
+    [
+        (
+            _Transformers50Args,
+            "train_sampling_strategy",
+            "group_by_length",
+            "group_by_length",
+            True,
+        ),
+        (
+            _Transformers5xArgs,
+            "group_by_length",
+            "true",
+            "train_sampling_strategy",
+            "group_by_length",
+        ),
+        (
+            _Transformers5xArgs,
+            "train_sampling_strategy",
+            "group_by_length",
+            "train_sampling_strategy",
+            "group_by_length",
+        ),
+    ],
+)
+def test_a_config_runs_with_either_spelling_of_length_grouping(
+    tmp_path, args_class, key, yaml_value, field, expected
+):
+    # transformers 5.0 (our lower bound) says group_by_length, later 5.x train_sampling_strategy.
+    from transformers import HfArgumentParser
+
+    from amp_trainer.recipe_config import parse_args_with_config
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"{key}: {yaml_value}\n")
+    (parsed,) = parse_args_with_config(HfArgumentParser(args_class), [], config)
+    assert getattr(parsed, field) == expected
