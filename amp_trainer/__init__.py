@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]).
 __version__ = "0.1.0"
 
 __all__ = [
@@ -19,17 +20,25 @@ __all__ = [
     "AmpTrainer",
     "AmpTrainerMixin",
     "AmpTrainingArguments",
+    "Diagnosis",
     "DynamicLossScaler",
+    "LossScaleError",
+    "ScalerStats",
+    "Verdict",
+    "diagnose",
     "export_fp16",
     "install_scaler",
     "keep_in_fp32",
     "keep_norms_in_fp32",
+    "load_fp16_export",
 ]
 
 _WHERE = {
     "DynamicLossScaler": "amp_trainer.scaler",
-    "keep_norms_in_fp32": "amp_trainer.precision",
-    "keep_in_fp32": "amp_trainer.precision",
+    "LossScaleError": "amp_trainer.scaler",
+    "ScalerStats": "amp_trainer.scaler",
+    "keep_norms_in_fp32": "amp_trainer.islands",
+    "keep_in_fp32": "amp_trainer.islands",
     "AmpAccelerator": "amp_trainer.accelerate_hooks",
     "install_scaler": "amp_trainer.accelerate_hooks",
     "AmpSeq2SeqTrainer": "amp_trainer.trainer",
@@ -38,13 +47,18 @@ _WHERE = {
     "AmpTrainerMixin": "amp_trainer.trainer",
     "AmpTrainingArguments": "amp_trainer.trainer",
     "export_fp16": "amp_trainer.export",
+    "load_fp16_export": "amp_trainer.export",
+    "Diagnosis": "amp_trainer.doctor",
+    "Verdict": "amp_trainer.doctor",
+    "diagnose": "amp_trainer.doctor",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.accelerate_hooks import AmpAccelerator, install_scaler
-    from amp_trainer.export import export_fp16
-    from amp_trainer.precision import keep_in_fp32, keep_norms_in_fp32
-    from amp_trainer.scaler import DynamicLossScaler
+    from amp_trainer.doctor import Diagnosis, Verdict, diagnose
+    from amp_trainer.export import export_fp16, load_fp16_export
+    from amp_trainer.islands import keep_in_fp32, keep_norms_in_fp32
+    from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
     from amp_trainer.trainer import (
         AmpSeq2SeqTrainer,
         AmpSeq2SeqTrainingArguments,

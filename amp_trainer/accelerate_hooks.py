@@ -44,7 +44,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import SCALER_NAME, DistributedType
 
 from amp_trainer.forward_overflow import ForwardOverflow, ForwardOverflowGuard, check_policy
-from amp_trainer.precision import apply_fp32_policy, resolve_precision
+from amp_trainer.islands import apply_fp32_policy
+from amp_trainer.precision import resolve_precision
 from amp_trainer.scaler import DynamicLossScaler
 
 __all__ = ["AmpAccelerator", "deepspeed_fp16_config", "install_scaler"]
@@ -159,7 +160,7 @@ class AmpAccelerator(Accelerator):
       (``accelerator.scaler`` and :attr:`loss_scaler` are that object), also on CPU, where
       upstream silently runs fp32; under bf16/fp32 it is a disabled, pass-through one;
     * ``prepare(model)`` keeps normalisation layers in FP32 under fp16/bf16
-      (:func:`~amp_trainer.precision.keep_norms_in_fp32`) unless ``keep_norms_fp32=False``;
+      (:func:`~amp_trainer.islands.keep_norms_in_fp32`) unless ``keep_norms_fp32=False``;
     * a skipped step is a skipped step for every optimizer kind, so the prepared scheduler holds
       its learning rate and :attr:`optimizer_step_was_skipped` tells the truth;
     * ``mixed_precision="auto"`` picks fp16 on CUDA, bf16 where the hardware has it, else fp32;
@@ -189,7 +190,7 @@ class AmpAccelerator(Accelerator):
             the values of a ``GradScalerKwargs`` handler, if one is passed).
         keep_norms_fp32: keep normalisation layers in FP32 in the models ``prepare()`` sees.
         fp32_modules: more modules ``prepare()`` keeps in FP32 (names, dotted suffixes, globs;
-            see :func:`~amp_trainer.precision.keep_in_fp32`), on top of the model's own
+            see :func:`~amp_trainer.islands.keep_in_fp32`), on top of the model's own
             ``_keep_in_fp32_modules``.
         on_forward_overflow: ``"fp32"``, ``"raise"`` or ``"skip"``: what
             :meth:`check_forward_overflow` does about a module whose FP16 output overflows.

@@ -40,22 +40,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_trainer.precision import _iter_tensors  # one walker over nested batches
+from amp_trainer.islands import is_norm_module
+from amp_trainer.numerics import (
+    FP16_MAX,
+    OverflowProbe,
+    describe_module,
+    nonfinite_inputs,
+)
 
 __all__ = [
-    "FP16_MAX",
     "Diagnosis",
-    "OverflowProbe",
     "StageResult",
     "Verdict",
-    "all_finite",
     "diagnose",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Largest finite float16 value; anything larger becomes ``inf`` in FP16.
-FP16_MAX = float(torch.finfo(torch.float16).max)
 # lr / 10, / 100, / 1000: the seed says "try lr/10 first"; an absurd lr needs more than one rung.
 _LR_DIVISORS = (10.0, 100.0, 1000.0)
 
@@ -72,70 +73,6 @@ class Verdict(str, Enum):
     LEARNING_RATE = "learning_rate"
     FP16_UNFRIENDLY_LAYER = "fp16_unfriendly_layer"
     UNRESOLVED = "unresolved"
-
-
-# --------------------------------------------------------------------------------------------
-# the probe
-# --------------------------------------------------------------------------------------------
-def all_finite(value: Any, limit: float = math.inf) -> bool:
-    """Whether every floating tensor in ``value`` is finite and (if ``limit``) ``|x| <= limit``."""
-    for tensor in _iter_tensors(value):
-        if tensor.is_floating_point() and tensor.numel():
-            if not bool(torch.isfinite(tensor).all()):
-                return False
-            if limit != math.inf and float(tensor.detach().abs().max()) > limit:
-                return False
-    return True
-
-
-class OverflowProbe:
-    """Forward hooks that name the first module whose output overflows although its inputs don't.
-
-    "First" is in completion order, so when a Linear inside an MLP inside a block overflows, the
-    Linear is named (it finishes first), not the block. ``limit`` is the largest allowed
-    magnitude: ``FP16_MAX`` to catch values an FP16 tensor cannot hold (they are ``inf`` already
-    if the tensor is FP16; an FP32 tensor above it would overflow when cast), ``math.inf`` to catch
-    only inf/NaN. Modules under a name in ``skip_under`` are not probed (the exporter's FP32
-    islands: only the island's FP16 output matters). A context manager; hooks are removed on exit.
-    """
-
-    def __init__(
-        self, model: nn.Module, *, limit: float = FP16_MAX, skip_under: Iterable[str] = ()
-    ) -> None:
-        self.first: str | None = None
-        self.called: set[str] = set()
-        self._limit = limit
-        self._handles: list[Any] = []
-        inside = tuple(name + "." for name in skip_under)
-        for name, module in model.named_modules():
-            if inside and name.startswith(inside):
-                continue
-            self._handles.append(
-                module.register_forward_hook(self._make_hook(name), with_kwargs=True)
-            )
-
-    def _make_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            self.called.add(name)
-            if (
-                self.first is None
-                and not all_finite(output, self._limit)
-                and all_finite((args, kwargs), self._limit)
-            ):
-                self.first = name
-
-        return hook
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def __enter__(self) -> OverflowProbe:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,27 +251,6 @@ def _run_stage(
     )
 
 
-def _nonfinite_inputs(batch: Mapping[str, Any]) -> list[str]:
-    bad = []
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            count = int((~torch.isfinite(value)).sum())
-            if count:
-                bad.append(f"{key!r} ({count} non-finite value(s))")
-    return bad
-
-
-def _describe_module(model: nn.Module, name: str) -> str:
-    module = dict(model.named_modules()).get(name)
-    if module is None:
-        return repr(name)
-    detail = ""
-    eps = getattr(module, "eps", None)
-    if isinstance(eps, float):
-        detail = f", eps={eps:g}"
-    return f"{name!r} ({type(module).__name__}{detail})"
-
-
 # --------------------------------------------------------------------------------------------
 # the triage
 # --------------------------------------------------------------------------------------------
@@ -413,7 +329,7 @@ def diagnose(
                 return result
         return None
 
-    bad_inputs = _nonfinite_inputs(batch)
+    bad_inputs = nonfinite_inputs(batch)
     if bad_inputs:
         return Diagnosis(
             Verdict.DATA,
@@ -427,7 +343,7 @@ def diagnose(
     if not fp32.ok:
         if fp32.first_bad_step == 0:
             culprit = fp32.overflow_module
-            where = _describe_module(model, culprit) if culprit is not None else "the loss"
+            where = describe_module(model, culprit) if culprit is not None else "the loss"
             return Diagnosis(
                 Verdict.MODEL,
                 f"pure FP32 already produces inf/NaN in the first step, before any update; "
@@ -533,8 +449,6 @@ def _lr_diagnosis(
 def _fp16_layer_diagnosis(
     model: nn.Module, culprit_stage: StageResult, amp: StageResult, stages: tuple[StageResult, ...]
 ) -> Diagnosis:
-    from amp_trainer.precision import is_norm_module
-
     culprit = culprit_stage.overflow_module
     assert culprit is not None
     module = dict(model.named_modules()).get(culprit)
@@ -556,7 +470,7 @@ def _fp16_layer_diagnosis(
         grads = f" Non-finite gradients under AMP: {', '.join(amp.nonfinite_grads[:5])}."
     return Diagnosis(
         Verdict.FP16_UNFRIENDLY_LAYER,
-        f"pure FP32 is clean, but under FP16 autocast {_describe_module(model, culprit)} produces "
+        f"pure FP32 is clean, but under FP16 autocast {describe_module(model, culprit)} produces "
         f"values beyond FP16's range (|x| > {FP16_MAX:g}) or NaN from finite inputs at step "
         f"{culprit_stage.overflow_step}.{grads}",
         fix,

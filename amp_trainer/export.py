@@ -3,7 +3,7 @@
 An FP16 export is only worth shipping if it computes what the FP32 model computes. So
 :func:`export_fp16` does not just call ``model.half()``:
 
-1. normalisation layers stay FP32 (:func:`amp_trainer.precision.keep_norms_in_fp32`): their
+1. normalisation layers stay FP32 (:func:`amp_trainer.islands.keep_norms_in_fp32`): their
    mean/variance reductions are where FP16 loses the most;
 2. an *overflow guard* runs the FP16 model on sample inputs with forward hooks and finds the first
    module whose FP16 output leaves the FP16 range (``|x| > 65504`` becomes ``inf``) or goes NaN
@@ -54,15 +54,15 @@ import torch
 from torch import nn
 
 from amp_trainer.atomic_files import is_disk_full, write_text_atomic
-from amp_trainer.doctor import FP16_MAX, OverflowProbe
-from amp_trainer.precision import (
-    _remove_island,
+from amp_trainer.islands import (
     fp32_islands,
     keep_in_fp32,
     keep_norms_in_fp32,
     recorded_fp32_islands,
+    remove_fp32_island,
     restore_fp32_islands,
 )
+from amp_trainer.numerics import FP16_MAX, OverflowProbe
 
 __all__ = [
     "DEFAULT_SAMPLE_TEXTS",
@@ -279,7 +279,7 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
 
     ``from_pretrained(path, dtype=torch.float16)`` casts every tensor to FP16; this then restores
     the modules the export kept in FP32 (their FP32 weights are in the safetensors file) and
-    makes them FP32 islands again (:func:`~amp_trainer.precision.keep_in_fp32`), so outputs
+    makes them FP32 islands again (:func:`~amp_trainer.islands.keep_in_fp32`), so outputs
     match the parity report.
     """
     from safetensors import safe_open
@@ -382,7 +382,7 @@ def _guard_overflows(
 
     Returns (guarded module names, modules kept FP32 because they share a parameter with a
     guarded one, failures). Each iteration runs one forward with probes: the first overflowing
-    module becomes an island (:func:`~amp_trainer.precision.keep_in_fp32`); an island that itself
+    module becomes an island (:func:`~amp_trainer.islands.keep_in_fp32`); an island that itself
     overflows (its FP32 output does not fit FP16) is replaced by its nearest enclosing module that
     runs a forward (not a ModuleList), whose descendants' islands are dropped. ``kept`` are islands
     the model came with (they are widened the same way). Island weights come from ``source``
@@ -416,7 +416,7 @@ def _guard_overflows(
                 ],
             )
         for name in [n for n in [*islands, *tied] if n.startswith(target + ".")]:
-            _remove_island(modules[name])
+            remove_fp32_island(modules[name])
             (islands if name in islands else tied).remove(name)
         logger.info("Overflow guard: keeping %r in FP32 (first FP16 overflow: %r)", target, culprit)
         covered = keep_in_fp32(model, _exactly(target))

@@ -20,7 +20,7 @@ was non-finite it is a forward overflow, and the guard:
    finite inputs, and runs it once in pure FP32: non-finite there too is the model or the data,
    never FP16 (:class:`NonFiniteForwardError`, naming the module);
 3. applies the policy: ``"fp32"`` (the default) makes that module an FP32 island
-   (:func:`~amp_trainer.precision.keep_in_fp32`), warns once naming it, re-probes until the
+   (:func:`~amp_trainer.islands.keep_in_fp32`), warns once naming it, re-probes until the
    batch is clean (a deeper layer may overflow next) and keeps training; ``"raise"`` raises
    :class:`~amp_trainer.scaler.LossScaleError` naming it; ``"skip"`` does none of this (the
    step is skipped and the scale backs off, as before).
@@ -62,13 +62,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_trainer.doctor import OverflowProbe, _describe_module, _nonfinite_inputs, all_finite
-from amp_trainer.precision import (
-    _iter_tensors,
+from amp_trainer.islands import (
     is_fp32_island,
     keep_in_fp32,
     record_fp32_islands,
     restore_fp32_islands,
+)
+from amp_trainer.numerics import (
+    OverflowProbe,
+    all_finite,
+    describe_module,
+    iter_tensors,
+    nonfinite_inputs,
 )
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
 
@@ -267,7 +272,7 @@ class ForwardOverflowGuard:
             )
             return ForwardOverflow(self._steps, None, (), self.policy)
         if isinstance(inputs, Mapping):
-            bad_inputs = _nonfinite_inputs(inputs)
+            bad_inputs = nonfinite_inputs(inputs)
             if bad_inputs:
                 raise NonFiniteForwardError(
                     f"Step {self._steps}: the loss is non-finite because the batch itself holds "
@@ -295,7 +300,7 @@ class ForwardOverflowGuard:
             if self.policy == "raise":
                 raise LossScaleError(
                     f"Step {self._steps}: forward overflow in "
-                    f"{_describe_module(self.model, culprit)}: its FP16 output is inf/NaN from "
+                    f"{describe_module(self.model, culprit)}: its FP16 output is inf/NaN from "
                     "finite inputs (|x| > 65504), while the same batch is finite in FP32. Loss "
                     f"scaling cannot fix this. Keep it in FP32: fp32_modules=[{culprit!r}] "
                     "(AmpTrainingArguments / AmpAccelerator) or amp_trainer.keep_in_fp32(model, "
@@ -321,7 +326,7 @@ class ForwardOverflowGuard:
                 "now computes in FP32 (an FP32 island) and training continues. To start with it: "
                 "fp32_modules=[%r].",
                 self._steps,
-                _describe_module(self.model, culprit),
+                describe_module(self.model, culprit),
                 culprit,
             )
         else:
@@ -333,7 +338,7 @@ class ForwardOverflowGuard:
         return ForwardOverflow(self._steps, first, tuple(added), self.policy)
 
     def _device_type(self, inputs: Any) -> str:
-        for tensor in _iter_tensors(inputs):
+        for tensor in iter_tensors(inputs):
             return tensor.device.type
         for param in self.model.parameters():
             return param.device.type
@@ -369,7 +374,7 @@ class ForwardOverflowGuard:
         if first is None and finite:
             return
         where = first or culprit
-        named = _describe_module(self.model, where) if where is not None else "the loss"
+        named = describe_module(self.model, where) if where is not None else "the loss"
         raise NonFiniteForwardError(
             f"Step {self._steps}: the forward pass is non-finite in pure FP32 too, so this is "
             f"the model or the data, not FP16: the first module to produce inf/NaN in FP32 is "

@@ -1,4 +1,4 @@
-"""Precision policy: what precision a device runs, its autocast, and FP32 islands.
+"""Precision policy: what precision a device runs, its autocast, and FP32 master weights.
 
 Three decisions every mixed-precision run makes, made once here so the scaler, the Accelerate
 hooks, the Trainer and the exporter agree:
@@ -10,19 +10,15 @@ hooks, the Trainer and the exporter agree:
 * :func:`autocast_for` is the matching forward-pass context. autocast and the loss scaler must be
   switched on and off together: autocast alone silently loses small gradients, a scaler alone is
   wasted work.
-* :func:`keep_in_fp32` makes modules FP32 islands: FP32 parameters *and* arithmetic, whatever
-  autocast or ``.half()`` say. The one mechanism behind :func:`keep_norms_in_fp32` (norm layers:
-  their mean/variance reductions are where FP16 loses the most), the ``fp32_modules`` option,
-  transformers' ``_keep_in_fp32_modules`` (:func:`apply_fp32_policy` gathers them), the
-  trainer's forward-overflow fallback (:mod:`amp_trainer.forward_overflow`) and the FP16
-  exporter's overflow guard. :func:`check_trainable_params_fp32` and
-  :func:`cast_trainable_params_to_fp32` enforce the other half of the contract: the weights the
-  optimizer updates (master weights) are FP32.
+* :func:`check_trainable_params_fp32` and :func:`cast_trainable_params_to_fp32` enforce the
+  other half of the contract: the weights the optimizer updates (master weights) are FP32.
+
+Which modules compute in FP32 inside an FP16 forward (norms, ``fp32_modules``, the overflow
+fallback) is :mod:`amp_trainer.islands`.
 
 Example::
 
     precision = resolve_precision("auto", "cuda")            # "fp16" on CUDA
-    keep_norms_in_fp32(model)
     check_trainable_params_fp32(model)
     with autocast_for(precision, "cuda"):
         loss = model(**batch).loss
@@ -31,37 +27,26 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
 import os
-import re
 import sys
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from amp_trainer.islands import is_fp32_island
+from amp_trainer.numerics import describe_names
+
 __all__ = [
-    "ISLANDS_CONFIG_KEY",
     "PRECISIONS",
     "CpuFp16Warning",
-    "apply_fp32_policy",
     "autocast_for",
     "cast_trainable_params_to_fp32",
     "check_trainable_params_fp32",
-    "declared_fp32_modules",
-    "fp32_islands",
-    "is_fp32_island",
-    "is_norm_module",
-    "keep_in_fp32",
-    "keep_norms_in_fp32",
-    "record_fp32_islands",
-    "recorded_fp32_islands",
     "resolve_precision",
-    "restore_fp32_islands",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,7 +68,6 @@ _ALIASES = {
     "no": "fp32",
 }
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_NAMES_SHOWN = 8
 
 # One warning per process: a training loop resolves its precision once, but a Trainer, an
 # Accelerator and a recipe may each resolve it again, and the user only needs telling once.
@@ -245,626 +229,8 @@ def autocast_for(
 
 
 # --------------------------------------------------------------------------------------------
-# normalisation layers in FP32
-# --------------------------------------------------------------------------------------------
-_TORCH_NORMS: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm*, lazy ones
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
-)
-# Model libraries define their own norms (LlamaRMSNorm, T5LayerNorm, DetrFrozenBatchNorm2d,
-# ConvNextLayerNorm, ...) that do not subclass torch's; the class name is the stable signal.
-_NORM_NAME = re.compile(r"(LayerNorm|RMSNorm|GroupNorm|BatchNorm[123]?d?|InstanceNorm[123]?d?)$")
-
-
-def is_norm_module(module: nn.Module) -> bool:
-    """Whether ``module`` is a normalisation layer.
-
-    torch's norm classes are recognised by type. Any other class whose name ends in
-    ``LayerNorm``, ``RMSNorm``, ``GroupNorm``, ``BatchNorm[1-3]d`` or ``InstanceNorm[1-3]d`` counts
-    too, provided it is a leaf or holds only norm layers: a block *named* like a norm that
-    contains a Linear (an adaptive LayerNorm, say) is not one, and its inner norm is found on
-    its own.
-    """
-    if isinstance(module, _TORCH_NORMS):
-        return True
-    if not _NORM_NAME.search(type(module).__name__):
-        return False
-    return all(is_norm_module(child) for child in module.children())
-
-
-# --------------------------------------------------------------------------------------------
-# FP32 islands: modules that compute in FP32 whatever autocast or .half() say
-# --------------------------------------------------------------------------------------------
-#: What an island hands back under autocast: ``"input"`` casts its output to the input's dtype
-#: (norms: their output is bounded, and the surrounding code got that dtype before);
-#: ``"fp32"`` keeps it FP32 (an island made because its output does not fit FP16: casting it back
-#: would bring the inf back; autocast casts it again for the next FP16 op). Without autocast both
-#: cast back to the input's dtype (or to the model's, for a module fed only integer ids), which is
-#: what a ``.half()`` model's FP16 weights around the island need.
-_AUTOCAST_OUTPUTS = ("input", "fp32")
-
-
-_F32 = torch.float32
-# Looked up once: module attribute lookups are a measurable part of a few-microsecond call.
-_is_compiling = torch.compiler.is_dynamo_compiling
-_is_autocast_enabled = torch.is_autocast_enabled
-_set_autocast_enabled = torch.set_autocast_enabled
-
-
-class _Fp32Island:
-    """The ``forward`` of one FP32 island (set as an instance attribute of its module).
-
-    One object per island, a top-level class rather than a closure so that the model still
-    pickles and deep-copies (the reference to its module follows the copy). It replaces the
-    module's ``forward`` rather than adding forward hooks: a module with hooks goes through
-    ``nn.Module``'s slow call path: the earlier hook pair cost 16-36 us of host time per
-    ``LayerNorm(768)`` call, this 3-10 (``scripts/bench_islands.py``). It also keeps the whole
-    region in one ``try`` (autocast is restored when the forward raises) and in one ``with`` block
-    under ``torch.compile``, the form dynamo can trace. Forward hooks of the module see what its
-    callers pass and get.
-    """
-
-    def __init__(self, module: nn.Module, forward: Any, autocast_output: str) -> None:
-        self.module = module
-        # The forward this one wraps when it is not the class's own (another library's wrapper
-        # set as an instance attribute); None means type(module).forward, looked up at call time
-        # so that no bound method of the module has to be pickled.
-        self.forward = forward
-        self.autocast_output = autocast_output
-        # The dtype the rest of the model was cast to (seen when .half() halved this module's
-        # weights): what a module fed only integer ids hands back without autocast.
-        self.outer_dtype: torch.dtype | None = None
-        self._refresh()
-
-    def _refresh(self) -> None:
-        # The tensors to keep FP32 (the whole subtree), gathered once: checking their dtypes is
-        # the only per-call cost when nothing changed. Module-held lists, so a later
-        # module.half() (which replaces param.data, not the parameter) is still seen.
-        self._holders = [m for m in self.module.modules() if m._parameters or m._buffers]
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {
-            "module": self.module,
-            "forward": self.forward,
-            "autocast_output": self.autocast_output,
-            "outer_dtype": self.outer_dtype,
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.module = state["module"]
-        self.forward = state.get("forward")
-        self.autocast_output = state.get("autocast_output", "input")
-        self.outer_dtype = state.get("outer_dtype")
-        # The module may not be fully unpickled yet (a reference cycle): gather lazily.
-        self._holders = None  # type: ignore[assignment]
-
-    def ensure_fp32(self) -> None:
-        """Re-cast the island's parameters and buffers to FP32 if something cast them since."""
-        holders = self._holders
-        if holders is None:
-            self._refresh()
-            holders = self._holders
-        # Plain loops and identity tests: this runs on every call (one pass over a norm's two
-        # parameters when nothing changed, the usual case).
-        for holder in holders:
-            for tensor in holder._parameters.values():
-                if tensor is not None and tensor.dtype is not _F32 and tensor.is_floating_point():
-                    self._recast(holder)
-                    break
-            for tensor in holder._buffers.values():
-                if tensor is not None and tensor.dtype is not _F32 and tensor.is_floating_point():
-                    self._recast(holder)
-                    break
-
-    def _recast(self, holder: nn.Module) -> None:
-        outer = _to_fp32_in_place(holder)
-        if outer is not None:
-            self.outer_dtype = outer
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.ensure_fp32()
-        if _is_compiling():
-            return self._traced(args, kwargs)
-        # The common case (one hidden-states tensor) without walking nested containers.
-        first = args[0] if not kwargs and len(args) == 1 else None
-        if not (isinstance(first, torch.Tensor) and first.is_floating_point()):
-            first = _first_float(args, kwargs)
-        if first is not None:
-            device_type, input_dtype = first.device.type, first.dtype
-        else:
-            device_type, input_dtype = self._device_type(args, kwargs), None
-        autocast = device_type in _AUTOCAST_TYPES and _is_autocast_enabled(device_type)
-        if not autocast:
-            if input_dtype is _F32 or (input_dtype is None and self.outer_dtype is None):
-                return self._forward(args, kwargs)  # FP32 in, FP32 out: nothing to do
-            if input_dtype is not None:
-                args, kwargs = _cast_floats(args, _F32), _cast_floats(kwargs, _F32)
-            return self._cast_back(self._forward(args, kwargs), input_dtype, False)
-        # The casts too run with autocast off: every op dispatched under autocast pays for it.
-        _set_autocast_enabled(device_type, False)
-        try:
-            if input_dtype is not _F32 and input_dtype is not None:
-                if not kwargs and len(args) == 1:
-                    args = (first.float(),)  # type: ignore[union-attr]
-                else:
-                    args, kwargs = _cast_floats(args, _F32), _cast_floats(kwargs, _F32)
-            return self._cast_back(self._forward(args, kwargs), input_dtype, True)
-        finally:
-            _set_autocast_enabled(device_type, True)
-
-    def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The same region as one ``with`` block: what dynamo traces (it cannot trace
-        ``set_autocast_enabled`` pairs)."""
-        first = _first_float(args, kwargs)
-        input_dtype = first.dtype if first is not None else None
-        device_type = first.device.type if first is not None else self._device_type(args, kwargs)
-        args, kwargs = _cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)
-        autocast = device_type in _AUTOCAST_TYPES and torch.is_autocast_enabled(device_type)
-        if autocast:
-            with torch.autocast(device_type=device_type, enabled=False):
-                output = self._forward(args, kwargs)
-        else:
-            output = self._forward(args, kwargs)
-        return self._cast_back(output, input_dtype, autocast)
-
-    def _cast_back(self, output: Any, input_dtype: torch.dtype | None, autocast: bool) -> Any:
-        if autocast and self.autocast_output == "fp32":
-            return output
-        target = input_dtype if input_dtype is not None else self.outer_dtype
-        if output is None or target is None or target is _F32:
-            return output
-        if isinstance(output, torch.Tensor):
-            return output.to(target) if output.is_floating_point() else output
-        return _cast_floats(output, target)
-
-    def _device_type(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        for tensor in _iter_tensors((args, kwargs)):
-            return tensor.device.type
-        for holder in self._holders or ():
-            for tensor in holder._parameters.values():
-                if tensor is not None:
-                    return tensor.device.type
-        return "cpu"
-
-    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        forward = self.forward
-        if forward is None:
-            module = self.module
-            return type(module).forward(module, *args, **kwargs)
-        return forward(*args, **kwargs)
-
-
-# Device types autocast exists for, asked once (is_autocast_available is not free per call).
-_AUTOCAST_TYPES = frozenset(
-    t
-    for t in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu", "maia")
-    if torch.amp.autocast_mode.is_autocast_available(t)
-)
-
-
-def _island_of(module: nn.Module) -> _Fp32Island | None:
-    """The island object running ``module``'s forward, looking through wrappers set later
-    (Accelerate's ``add_hook_to_module`` keeps the previous forward as ``_old_forward``)."""
-    forward = module.__dict__.get("forward")
-    for _ in range(8):
-        if isinstance(forward, _Fp32Island):
-            return forward
-        if forward is None:
-            break
-        forward = getattr(forward, "__wrapped__", None) or module.__dict__.get("_old_forward")
-        if forward is module.__dict__.get("forward"):
-            break
-    old = module.__dict__.get("_old_forward")
-    return old if isinstance(old, _Fp32Island) else None
-
-
-def is_fp32_island(module: nn.Module) -> bool:
-    """Whether ``module`` computes in FP32 through :func:`keep_in_fp32` (or the norm policy)."""
-    return _island_of(module) is not None
-
-
-def _install_island(module: nn.Module, autocast_output: str) -> _Fp32Island:
-    current = module.__dict__.get("forward")
-    if getattr(current, "__self__", None) is module and getattr(
-        current, "__func__", None
-    ) is getattr(type(module), "forward", None):
-        current = None  # a bound copy of the class's own forward: nothing to keep
-    island = _Fp32Island(module, current, autocast_output)
-    module.forward = island
-    # A state_dict taken after model.half() but before the next forward still holds FP32.
-    module.register_state_dict_pre_hook(_state_dict_pre_hook)
-    return island
-
-
-def _remove_island(module: nn.Module) -> None:
-    """Undo :func:`keep_in_fp32` for one module (the exporter widening an island). Its
-    parameters stay where they are; the next ``.half()`` halves them."""
-    island = module.__dict__.get("forward")
-    if not isinstance(island, _Fp32Island):
-        return
-    if island.forward is None:
-        del module.forward
-    else:
-        module.forward = island.forward
-    for key, hook in list(module._state_dict_pre_hooks.items()):
-        if hook is _state_dict_pre_hook:
-            del module._state_dict_pre_hooks[key]
-
-
-def _first_float(*values: Any) -> torch.Tensor | None:
-    for tensor in _iter_tensors(values):
-        if tensor.is_floating_point():
-            return tensor
-    return None
-
-
-def _first_float_dtype(*values: Any) -> torch.dtype | None:
-    tensor = _first_float(values)
-    return tensor.dtype if tensor is not None else None
-
-
-def _first_float_device(*values: Any) -> torch.device | None:
-    tensor = _first_float(values)
-    return tensor.device if tensor is not None else None
-
-
-def _iter_tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _iter_tensors(item)
-    elif isinstance(value, Mapping):  # dicts, and transformers' BatchEncoding (a UserDict)
-        for item in value.values():
-            yield from _iter_tensors(item)
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor inside ``value`` (tensors, tuples, lists, dicts, ModelOutputs)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_cast_floats(v, dtype) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        cast = {k: _cast_floats(v, dtype) for k, v in value.items()}
-        if type(value) is dict:
-            return cast
-        try:  # keep ModelOutput and other dict subclasses what they were
-            return type(value)(**cast)
-        except TypeError:
-            return cast
-    return value
-
-
-def _to_fp32_in_place(module: nn.Module) -> torch.dtype | None:
-    """Cast ``module``'s own floating parameters and buffers to FP32, keeping their identity.
-
-    ``param.data = ...`` is what ``module.half()`` itself does, so an optimizer that already holds
-    the parameter keeps updating the same object. Returns the dtype they had been cast to, or
-    ``None`` if nothing changed.
-    """
-    # Fast path: nothing to do once the module is FP32 (the usual case).
-    if all(
-        t is None or not t.is_floating_point() or t.dtype == torch.float32
-        for t in (*module._parameters.values(), *module._buffers.values())
-    ):
-        return None
-    was: torch.dtype | None = None
-    with torch.no_grad():
-        for param in module.parameters(recurse=False):
-            if param.is_floating_point() and param.dtype != torch.float32:
-                was = param.dtype
-                param.data = param.data.float()
-                if param.grad is not None:
-                    param.grad = param.grad.float()
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                was = was or buf.dtype
-                setattr(module, name, buf.float())
-    return was
-
-
-def _subtree_to_fp32(module: nn.Module) -> torch.dtype | None:
-    """:func:`_to_fp32_in_place` on ``module`` and everything in it; the dtype seen, if any."""
-    seen = None
-    for sub in module.modules():
-        seen = _to_fp32_in_place(sub) or seen
-    return seen
-
-
-def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    # A state_dict taken after model.half() but before the next forward still holds FP32.
-    island = _island_of(module)
-    if island is not None:
-        island.ensure_fp32()
-
-
-def _matches(name: str, spec: str | re.Pattern[str]) -> bool:
-    """``spec`` names ``name``: a regex (full match), or a qualified name, a dotted suffix of one
-    (``"wo"``, ``"DenseReluDense.wo"``, as transformers' ``_keep_in_fp32_modules`` are written),
-    or a glob of either (``"encoder.block.*.wo"``)."""
-    if isinstance(spec, re.Pattern):
-        return spec.fullmatch(name) is not None
-    if name == spec or name.endswith("." + spec):
-        return True
-    if any(c in spec for c in "*?["):
-        return fnmatch.fnmatchcase(name, spec) or fnmatch.fnmatchcase(name, "*." + spec)
-    return False
-
-
-def _inside(name: str, outer: str) -> bool:
-    return outer == "" or name == outer or name.startswith(outer + ".")
-
-
-def keep_in_fp32(
-    model: nn.Module,
-    modules: str | re.Pattern[str] | Iterable[str | re.Pattern[str]],
-    *,
-    autocast_output: str = "fp32",
-    missing_ok: bool = False,
-) -> list[str]:
-    """Make the named modules of ``model`` FP32 islands: FP32 parameters *and* arithmetic.
-
-    An island computes in FP32 whatever ``torch.autocast`` or ``model.half()`` say: on every call
-    it re-casts its parameters and buffers to FP32 if something halved them since (in place: an
-    optimizer holding them keeps the same objects), upcasts floating inputs, runs with autocast
-    disabled and hands back what the surrounding code expects: without autocast the input's
-    dtype (the model's, for a module fed only integer ids), so the FP16 layers after it get FP16;
-    under autocast FP32 (``autocast_output="fp32"``, the default: a value that overflowed FP16
-    must not be cast back to it; the next autocast op casts it as it needs) or the input's dtype
-    (``"input"``, what the norm policy uses). The one mechanism behind the FP32 norms, the
-    ``fp32_modules`` option, transformers' ``_keep_in_fp32_modules``, the trainer's
-    forward-overflow fallback and the FP16 exporter.
-
-    Args:
-        model: the model; changed in place.
-        modules: names or patterns: a qualified name
-            (``"encoder.block.0.layer.1.DenseReluDense.wo"``), a dotted suffix that matches every
-            module ending so (``"wo"``), a glob (``"encoder.block.*.wo"``) or a compiled regex
-            (full match).
-        autocast_output: ``"fp32"`` or ``"input"``, see above.
-        missing_ok: a name that matches no module is ignored instead of a ``ValueError``.
-
-    Tied parameters: a parameter has one dtype, so every module that uses a parameter of an
-    island becomes an island too (GPT-2's ``lm_head`` shares ``transformer.wte.weight``: keeping
-    ``wte`` FP32 in a halved model would hand ``lm_head`` FP32 weights and FP16 inputs).
-
-    Idempotent and safe to call on a copied or unpickled model (its islands come along and are
-    recognised); a module inside an island is covered by it. ``state_dict`` keys and parameter
-    names are unchanged; the model still pickles, deep-copies, ``save_pretrained``s and runs under
-    ``torch.compile``, TorchScript tracing and ONNX export.
-
-    Returns the qualified names of the islands that cover what was asked, plus those added for
-    tied parameters, in model order (the same answer on every call).
-    """
-    if autocast_output not in _AUTOCAST_OUTPUTS:
-        raise ValueError(
-            f"autocast_output must be one of {_AUTOCAST_OUTPUTS}, got {autocast_output!r}"
-        )
-    specs = [modules] if isinstance(modules, (str, re.Pattern)) else list(modules)
-    for spec in specs:
-        if not isinstance(spec, (str, re.Pattern)):
-            raise TypeError(
-                f"keep_in_fp32() takes module names or patterns (str or re.Pattern), got "
-                f"{spec!r} ({type(spec).__name__})"
-            )
-    named = list(model.named_modules())
-    wanted = [name for name, _ in named if any(_matches(name, spec) for spec in specs)]
-    if not missing_ok:
-        found = {spec for spec in specs for name in wanted if _matches(name, spec)}
-        missing = [spec for spec in specs if spec not in found]
-        if missing:
-            sample = ", ".join(repr(n) for n, _ in named[1:6])
-            raise ValueError(
-                f"keep_in_fp32(): no module of {type(model).__name__} matches "
-                f"{', '.join(repr(getattr(s, 'pattern', s)) for s in missing)}; give qualified "
-                f"names (e.g. {sample}), a dotted suffix such as 'wo', a glob or a regex"
-            )
-    return _make_islands(model, named, wanted, autocast_output)
-
-
-def _make_islands(
-    model: nn.Module,
-    named: list[tuple[str, nn.Module]],
-    wanted: list[str],
-    autocast_output: str,
-) -> list[str]:
-    modules = dict(named)
-    existing = [name for name, module in named if is_fp32_island(module)]
-    covered: list[str] = []
-    for name in wanted:
-        if any(_inside(name, outer) for outer in covered):
-            continue  # inside an island asked for in this call
-        outer = next((o for o in existing if _inside(name, o) and o != name), None)
-        if outer is not None:
-            covered.append(outer)  # inside an existing island: that one covers it
-            continue
-        covered.append(name)
-    # Tied parameters: every module holding a parameter of an island joins (closure).
-    queue = list(covered)
-    while queue:
-        inside_ids = {id(p) for island in queue for p in modules[island].parameters()}
-        queue = []
-        for name, module in named:
-            if any(_inside(name, c) for c in covered):
-                continue
-            shared = [n for n, p in module.named_parameters(recurse=False) if id(p) in inside_ids]
-            if shared:
-                logger.info(
-                    "Keeping %r in FP32 too: it shares %s with an FP32 island",
-                    name,
-                    ", ".join(shared),
-                )
-                covered.append(name)
-                queue.append(name)
-    added = 0
-    for name in covered:
-        module = modules[name]
-        outer = _subtree_to_fp32(module)
-        island = _island_of(module)
-        if island is not None:
-            island.outer_dtype = outer or island.outer_dtype
-            if autocast_output == "fp32":
-                island.autocast_output = "fp32"  # an overflow fix outranks the norm policy
-            continue
-        _install_island(module, autocast_output).outer_dtype = outer
-        added += 1
-    if added:
-        logger.debug("Made %d new FP32 island(s) (%d covered)", added, len(covered))
-    order = {name: i for i, (name, _) in enumerate(named)}
-    return sorted(dict.fromkeys(covered), key=order.__getitem__)
-
-
-def keep_norms_in_fp32(model: nn.Module) -> list[str]:
-    """Keep every normalisation layer of ``model`` in FP32, parameters and arithmetic.
-
-    The norm policy of :func:`keep_in_fp32`: each norm layer (see :func:`is_norm_module`)
-    becomes an FP32 island that hands back its input's dtype, under autocast too (a norm's output
-    is bounded, and the code after it got that dtype before). So it holds inside
-    ``torch.autocast``, after ``model.half()`` (called before or after this function), under
-    ``torch.compile`` and in a model exported to FP16 (TorchScript, ONNX).
-
-    Idempotent: a layer handled by an earlier call (or carried over by ``copy.deepcopy`` or
-    pickling) is not wrapped twice; its parameters are re-cast to FP32 now. Parameter names and
-    ``state_dict`` keys are unchanged; the model still pickles, deep-copies and
-    ``save_pretrained``s.
-
-    Returns the qualified names of *every* norm layer now kept in FP32, whether this call or an
-    earlier one made it an island, so the answer is the same on every call (an exporter can list
-    them even for a model a trainer already prepared).
-    """
-    named = list(model.named_modules())
-    norms: list[str] = []
-    for name, module in named:
-        # A norm nested in a norm (a name-matched wrapper around nn.LayerNorm): the outer one
-        # already runs everything inside it in FP32.
-        if is_norm_module(module) and not any(_inside(name, outer) for outer in norms):
-            norms.append(name)
-    if norms:
-        exact = re.compile("|".join(re.escape(name) for name in norms))
-        keep_in_fp32(model, exact, autocast_output="input")
-    return norms
-
-
-# --------------------------------------------------------------------------------------------
-# which modules are islands in a training run, and recording them with the model
-# --------------------------------------------------------------------------------------------
-#: The ``model.config`` key under which training records its non-norm FP32 islands, so that
-#: ``save_pretrained`` (and so every Trainer checkpoint) carries them in config.json.
-ISLANDS_CONFIG_KEY = "amp_trainer_fp32_modules"
-
-
-def fp32_islands(model: nn.Module) -> list[str]:
-    """The outermost FP32 islands of ``model`` that are not norm layers: what ``fp32_modules``,
-    ``_keep_in_fp32_modules`` and the forward-overflow fallback added to the norm policy."""
-    found: list[str] = []
-    for name, module in model.named_modules():
-        if any(_inside(name, outer) for outer in found):
-            continue
-        if is_fp32_island(module) and not is_norm_module(module):
-            found.append(name)
-    return found
-
-
-def record_fp32_islands(model: nn.Module) -> list[str]:
-    """Write :func:`fp32_islands` into ``model.config`` (:data:`ISLANDS_CONFIG_KEY`); returns
-    them. A model without a transformers config is left alone."""
-    names = fp32_islands(model)
-    config = getattr(model, "config", None)
-    if config is not None and callable(getattr(config, "update", None)):
-        config.update({ISLANDS_CONFIG_KEY: names})
-    return names
-
-
-def recorded_fp32_islands(config: Any) -> list[str]:
-    """The island names a config (object or ``config.json`` dict) recorded, else ``[]``."""
-    if isinstance(config, Mapping):
-        value = config.get(ISLANDS_CONFIG_KEY)
-    else:
-        value = getattr(config, ISLANDS_CONFIG_KEY, None)
-    if value is None:
-        return []
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(
-            f"config key {ISLANDS_CONFIG_KEY!r} must be a list of module names, got {value!r}"
-        )
-    return list(value)
-
-
-def restore_fp32_islands(model: nn.Module, names: Iterable[str]) -> list[str]:
-    """Make recorded islands (exact qualified names) FP32 islands again; names the model lacks
-    are skipped with a warning (a checkpoint of another model). Returns what is covered."""
-    modules = dict(model.named_modules())
-    names = list(dict.fromkeys(names))
-    missing = [n for n in names if n not in modules]
-    if missing:
-        logger.warning("Recorded FP32 islands not in this model, ignored: %s", ", ".join(missing))
-    present = [n for n in names if n in modules]
-    if not present:
-        return []
-    logger.info("FP32 islands restored: %s", ", ".join(present))
-    return keep_in_fp32(model, [re.compile(re.escape(n)) for n in present])
-
-
-def declared_fp32_modules(model: nn.Module, precision: str) -> list[str]:
-    """transformers' own FP32 list for ``precision``: ``_keep_in_fp32_modules`` under fp16,
-    ``_keep_in_fp32_modules_strict`` under fp16 and bf16 (as ``from_pretrained`` reads them;
-    instance values first, which transformers 5 fills from every submodel)."""
-    names: list[str] = []
-    if precision == "fp16":
-        names += list(getattr(model, "_keep_in_fp32_modules", None) or ())
-    if precision in ("fp16", "bf16"):
-        names += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    return list(dict.fromkeys(n for n in names if isinstance(n, str)))
-
-
-def apply_fp32_policy(
-    model: nn.Module,
-    precision: str,
-    *,
-    norms: bool = True,
-    modules: str | Iterable[str | re.Pattern[str]] = (),
-) -> list[str]:
-    """Every FP32 island a ``precision`` training run needs, in one call (Trainer, Accelerate).
-
-    Under fp16/bf16: the norm layers (``norms``), the model's declared FP32 modules
-    (:func:`declared_fp32_modules`), the islands recorded in its config by an earlier run
-    (:data:`ISLANDS_CONFIG_KEY`: a model saved after the forward-overflow fallback added some) and
-    the user's ``modules`` (names or patterns; one that matches nothing is a ``ValueError``).
-    Under fp32 nothing is needed, and nothing is done. Idempotent; records the non-norm islands
-    in the config and returns them.
-    """
-    if precision not in ("fp16", "bf16"):
-        return []
-    if norms:
-        keep_norms_in_fp32(model)
-    declared = declared_fp32_modules(model, precision)
-    if declared:
-        keep_in_fp32(model, declared, missing_ok=True)
-    recorded = recorded_fp32_islands(getattr(model, "config", None))
-    if recorded:
-        restore_fp32_islands(model, recorded)
-    wanted = [modules] if isinstance(modules, (str, re.Pattern)) else list(modules)
-    if wanted:
-        keep_in_fp32(model, wanted)
-    if declared or recorded or wanted or fp32_islands(model):
-        return record_fp32_islands(model)
-    return []
-
-
-# --------------------------------------------------------------------------------------------
 # FP32 master weights
 # --------------------------------------------------------------------------------------------
-def _describe(names: list[str]) -> str:
-    shown = ", ".join(names[:_NAMES_SHOWN])
-    more = len(names) - _NAMES_SHOWN
-    return shown + (f" and {more} more" if more > 0 else "")
-
-
 def check_trainable_params_fp32(model: nn.Module) -> None:
     """Raise ``ValueError`` if any trainable parameter is not FP32.
 
@@ -879,9 +245,9 @@ def check_trainable_params_fp32(model: nn.Module) -> None:
     ]
     if bad:
         raise ValueError(
-            f"{len(bad)} trainable parameter(s) are not float32: {_describe(bad)}. Mixed-precision "
-            "training needs FP32 master weights (autocast does the FP16 maths). Fix: "
-            "amp_trainer.precision.cast_trainable_params_to_fp32(model), or load the model "
+            f"{len(bad)} trainable parameter(s) are not float32: {describe_names(bad)}. "
+            "Mixed-precision training needs FP32 master weights (autocast does the FP16 maths). "
+            "Fix: amp_trainer.precision.cast_trainable_params_to_fp32(model), or load the model "
             "without dtype=torch.float16."
         )
 

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_trainer.numerics import describe_names
+
 __all__ = ["DynamicLossScaler", "LossScaleError", "ScalerStats"]
 
 logger = logging.getLogger(__name__)
@@ -48,8 +50,6 @@ _STATE_VERSION = 2
 _DEFAULT_MIN_SCALE = 1.0
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # smallest subnormal
-# How many parameter names an error message or log line lists before "and N more".
-_NAMES_SHOWN = 8
 
 
 class LossScaleError(FloatingPointError, RuntimeError):
@@ -123,12 +123,6 @@ def _int_at_least_one(name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
-
-
-def _describe(names: list[str]) -> str:
-    shown = ", ".join(names[:_NAMES_SHOWN])
-    more = len(names) - _NAMES_SHOWN
-    return shown + (f" and {more} more" if more > 0 else "")
 
 
 class DynamicLossScaler:
@@ -505,9 +499,9 @@ class DynamicLossScaler:
             if half_grads:
                 raise ValueError(
                     "Attempting to unscale FP16 gradients of "
-                    f"{len(half_grads)} parameter(s): {_describe(half_grads)}. Mixed-precision "
-                    "training needs FP32 master weights: keep trainable parameters in float32 "
-                    "(autocast runs the maths in FP16) - e.g. "
+                    f"{len(half_grads)} parameter(s): {describe_names(half_grads)}. "
+                    "Mixed-precision training needs FP32 master weights: keep trainable "
+                    "parameters in float32 (autocast runs the maths in FP16) - e.g. "
                     "amp_trainer.precision.cast_trainable_params_to_fp32(model) - and load "
                     "models without dtype=torch.float16 for training."
                 )
@@ -745,7 +739,8 @@ class DynamicLossScaler:
         if self._on_min_scale == "clamp":
             return
         where = (
-            f"Parameters with non-finite gradients: {_describe(list(self._last_overflow_params))}."
+            "Parameters with non-finite gradients: "
+            f"{describe_names(list(self._last_overflow_params))}."
             if self._last_overflow_params
             else "No gradient was attributed (call scaler.watch(model) to name them)."
         )

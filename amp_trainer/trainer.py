@@ -79,13 +79,8 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 
 from amp_trainer.atomic_files import is_disk_full, write_json_atomic
 from amp_trainer.forward_overflow import ForwardOverflowGuard, check_policy
-from amp_trainer.precision import (
-    apply_fp32_policy,
-    cast_trainable_params_to_fp32,
-    recorded_fp32_islands,
-    resolve_precision,
-    restore_fp32_islands,
-)
+from amp_trainer.islands import apply_fp32_policy, recorded_fp32_islands, restore_fp32_islands
+from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
 
 try:

@@ -42,7 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from amp_trainer.precision import keep_norms_in_fp32
+from amp_trainer.islands import keep_norms_in_fp32
 
 REGIMES = ("fp32 eager", "autocast, fp32 in", "autocast, fp16 in")
 
@@ -54,7 +54,7 @@ def _build(kind: str, width: int) -> tuple[nn.Module, nn.Module]:
         island = copy.deepcopy(plain)
         keep_norms_in_fp32(island)
     elif kind == "linear":
-        from amp_trainer.precision import keep_in_fp32
+        from amp_trainer.islands import keep_in_fp32
 
         plain = nn.Linear(width, width)
         island = copy.deepcopy(plain)

@@ -9,7 +9,8 @@ import torch
 from conftest import make_tiny_bert, make_tiny_gpt2
 from torch import nn
 
-from amp_trainer.doctor import FP16_MAX, OverflowProbe, Verdict, diagnose
+from amp_trainer.doctor import Verdict, diagnose
+from amp_trainer.numerics import FP16_MAX, OverflowProbe
 
 
 def bert_batch(labels=(0, 1, 0, 1), seed=0):

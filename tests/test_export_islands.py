@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from amp_trainer import export_fp16, keep_in_fp32
 from amp_trainer.export import load_fp16_export
-from amp_trainer.precision import ISLANDS_CONFIG_KEY, is_fp32_island, record_fp32_islands
+from amp_trainer.islands import ISLANDS_CONFIG_KEY, is_fp32_island, record_fp32_islands
 
 
 def gpt2_whose_block0_mlp_overflows():

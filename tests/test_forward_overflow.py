@@ -18,7 +18,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from amp_trainer import AmpAccelerator, AmpTrainer, DynamicLossScaler
 from amp_trainer.forward_overflow import ForwardOverflowGuard, NonFiniteForwardError
-from amp_trainer.precision import ISLANDS_CONFIG_KEY, is_fp32_island, keep_in_fp32
+from amp_trainer.islands import ISLANDS_CONFIG_KEY, is_fp32_island, keep_in_fp32
 from amp_trainer.scaler import LossScaleError
 
 WO = "encoder.block.0.layer.1.DenseReluDense.wo"

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from amp_trainer.forward_overflow import ForwardOverflowGuard
-from amp_trainer.precision import is_fp32_island
+from amp_trainer.islands import is_fp32_island
 from amp_trainer.scaler import DynamicLossScaler
 
 

@@ -12,7 +12,7 @@ from conftest import make_tiny_gpt2
 from torch import nn
 
 from amp_trainer import keep_in_fp32
-from amp_trainer.precision import (
+from amp_trainer.islands import (
     apply_fp32_policy,
     declared_fp32_modules,
     is_fp32_island,

@@ -13,13 +13,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from amp_trainer import precision
+from amp_trainer.islands import is_norm_module, keep_norms_in_fp32
 from amp_trainer.precision import (
     CpuFp16Warning,
     autocast_for,
     cast_trainable_params_to_fp32,
     check_trainable_params_fp32,
-    is_norm_module,
-    keep_norms_in_fp32,
     resolve_precision,
 )
 from tests.conftest import make_tiny_gpt2
