@@ -145,7 +145,7 @@ sys.path.insert(0, {tests!r})
 from conftest import make_tiny_gpt2
 import amp_trainer.export as export
 
-real_replace = os.replace
+real_replace = os.replace  # the staging transaction (amp_trainer.export.staging) renames with it
 out = {out!r}
 
 def replace_then_die(src, dst):
@@ -155,7 +155,7 @@ def replace_then_die(src, dst):
     if {mode!r} == "mid_replace" and str(src) == out:
         os.kill(os.getpid(), signal.SIGKILL)  # kill -9, old export moved aside, new not in place
 
-export.os.replace = replace_then_die
+os.replace = replace_then_die
 export.export_fp16(make_tiny_gpt2(seed=1), out, overwrite=True)
 """
 
@@ -233,8 +233,9 @@ import sys
 sys.path.insert(0, {tests!r})
 from conftest import make_tiny_gpt2
 import amp_trainer.export as export
+import amp_trainer.export.staging as staging
 
-export._check_free_space = lambda folder, needed: None  # let the write itself hit the full disk
+staging.check_free_space = lambda folder, needed: None  # let the write itself hit the full disk
 export.export_fp16(make_tiny_gpt2(vocab_size=1500), {out!r}, formats={formats!r})
 """
 

@@ -1,0 +1,134 @@
+"""Parity: how an exported artifact's outputs compare with the FP32 model's on the sample batch.
+
+Step 3 of :mod:`amp_trainer.export`'s flow; :class:`ParityResult` is re-exported there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from amp_trainer.export.sample_inputs import forward_kwargs
+
+_OUTPUT_NAMES = ("logits", "last_hidden_state")
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    """How one exported artifact's outputs compare with the FP32 model's on the sample inputs.
+
+    Errors are taken over the real (non-padding) positions only. Relative errors are normwise
+    (error divided by the reference's magnitude: ``max_rel_error = max_abs_error / max|ref|``,
+    ``mean_rel_error = mean_abs_error / mean|ref|``), because elementwise relative error explodes
+    on logits near zero and says nothing. ``top1_agreement`` is the fraction of positions whose
+    argmax over the last dimension matches (``None`` for hidden states, where it means nothing).
+    """
+
+    format: str
+    output: str
+    positions: int
+    max_abs_error: float
+    mean_abs_error: float
+    max_rel_error: float
+    mean_rel_error: float
+    top1_agreement: float | None
+    nonfinite: int
+    passed: bool
+    failures: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["failures"] = list(self.failures)
+        return data
+
+
+def pick_output(output: Any) -> tuple[str, torch.Tensor]:
+    for name in _OUTPUT_NAMES:
+        value = output.get(name) if isinstance(output, Mapping) else None
+        if isinstance(value, torch.Tensor):
+            return name, value
+    raise ValueError(
+        f"model output has none of {_OUTPUT_NAMES}; cannot compare FP16 and FP32 outputs "
+        f"(got {type(output).__name__})"
+    )
+
+
+class OutputOnly(nn.Module):
+    """``model(**inputs)[output_name]`` as a module of plain tensors, for TorchScript and ONNX."""
+
+    def __init__(self, model: nn.Module, output_name: str) -> None:
+        super().__init__()
+        self.model = model
+        self.output_name = output_name
+        self._extra = forward_kwargs(model)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        return self.model(**kwargs, **self._extra)[self.output_name]
+
+
+def compare(
+    fmt: str,
+    output_name: str,
+    reference: torch.Tensor,
+    candidate: torch.Tensor,
+    mask: torch.Tensor,
+    thresholds: Mapping[str, float | None],
+) -> ParityResult:
+    if candidate.shape != reference.shape:
+        raise RuntimeError(
+            f"{fmt}: output shape {tuple(candidate.shape)} != FP32 {tuple(reference.shape)}"
+        )
+    # [batch, seq, ...] outputs are compared on real tokens; [batch, classes] on every row.
+    keep = mask.bool() if reference.dim() >= 3 else torch.ones(len(reference), dtype=torch.bool)
+    ref = reference.float()[keep]
+    cand = candidate.float()[keep]
+    finite = torch.isfinite(cand)
+    nonfinite = int((~finite).sum())
+    diff = (cand - ref).abs()
+    diff = torch.where(finite, diff, torch.zeros_like(diff))
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    mean_abs = float(diff.mean()) if diff.numel() else 0.0
+    ref_abs = ref.abs()
+    max_rel = max_abs / max(float(ref_abs.max()), 1e-12) if ref.numel() else 0.0
+    mean_rel = mean_abs / max(float(ref_abs.mean()), 1e-12) if ref.numel() else 0.0
+    top1 = None
+    if output_name == "logits":
+        top1 = float((cand.argmax(-1) == ref.argmax(-1)).float().mean()) if ref.numel() else 1.0
+    failures = []
+    if nonfinite:
+        failures.append(f"{fmt}: {nonfinite} non-finite output value(s)")
+    limit = thresholds.get("max_abs_error")
+    if limit is not None and max_abs > limit:
+        failures.append(f"{fmt}: max abs error {max_abs:.4g} > max_abs_error={limit}")
+    limit = thresholds.get("max_rel_error")
+    if limit is not None and max_rel > limit:
+        failures.append(f"{fmt}: max rel error {max_rel:.4g} > max_rel_error={limit}")
+    limit = thresholds.get("min_top1_agreement")
+    if limit is not None and top1 is not None and top1 < limit:
+        failures.append(f"{fmt}: top-1 agreement {top1:.4f} < min_top1_agreement={limit}")
+    return ParityResult(
+        format=fmt,
+        output=output_name,
+        positions=int(ref.shape[0]) if ref.dim() else 1,
+        max_abs_error=max_abs,
+        mean_abs_error=mean_abs,
+        max_rel_error=max_rel,
+        mean_rel_error=mean_rel,
+        top1_agreement=top1,
+        nonfinite=nonfinite,
+        passed=not failures,
+        failures=tuple(failures),
+    )

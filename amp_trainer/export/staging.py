@@ -1,0 +1,204 @@
+"""What the export puts on disk: sizes, free space, and the filesystem transaction.
+
+Step 4 of :mod:`amp_trainer.export`'s flow. Everything is written into a hidden staging folder
+next to the output folder and renamed into place at the end, so a refused, failed or killed
+export never leaves a partial folder; the next export cleans up after a killed one. An existing
+output folder is replaced only when an earlier export wrote every file in it.
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+
+
+def human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.1f} GiB"  # pragma: no cover - unreachable
+
+
+def weights_bytes(folder: Path) -> int:
+    return sum(
+        p.stat().st_size
+        for p in folder.iterdir()
+        if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES) and "tokenizer" not in p.name
+    )
+
+
+def fp32_bytes(model: nn.Module) -> int:
+    """Bytes the model's state would take as FP32 safetensors (shared storages counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        itemsize = 4 if tensor.is_floating_point() else tensor.element_size()
+        total += tensor.numel() * itemsize
+    return total
+
+
+# Hidden siblings of the output folder while an export runs: ``.NAME.tmp-PID-XXXXXXXX`` is the
+# staging folder being written, ``.NAME.old-PID-XXXXXXXX`` the previous export moved aside for the
+# instant between the two renames of install(). The PID says whether their writer is still alive.
+_STAGING, _TRASH = "tmp", "old"
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    return target.with_name(f".{target.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def new_staging_folder(target: Path) -> Path:
+    """Create the empty staging folder for an export to ``target`` (a hidden sibling of it)."""
+    staging = _sibling(target, _STAGING)
+    staging.mkdir()  # the umask's permissions: mkdtemp's drwx------ would become the output's
+    return staging
+
+
+def _writer_alive(folder: Path) -> bool:
+    """Whether the process that named ``folder`` still runs (then it is not stale)."""
+    parts = folder.name.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return False  # an older export's mkdtemp name: no PID, left by a dead run
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return False  # our own leftovers from an earlier call in this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, someone else's
+        return True
+    return True
+
+
+def clean_stale_staging(target: Path) -> list[str]:
+    """Remove what a killed export left next to ``target``; returns one note per folder.
+
+    A staging folder of a dead export is deleted. A previous export that was moved aside when
+    the export died (between the two renames of :func:`install`) is put back if ``target`` is
+    missing, else deleted.
+    """
+    notes: list[str] = []
+    if not target.parent.is_dir():
+        return notes
+    name = glob.escape(f".{target.name}")
+    for kind in (_TRASH, _STAGING):
+        for folder in sorted(target.parent.glob(f"{name}.{kind}-*")):
+            if not folder.is_dir() or _writer_alive(folder):
+                continue
+            if kind == _TRASH and not target.exists():
+                os.replace(folder, target)
+                note = f"restored the previous export {target} from {folder.name}, which an "
+                note += "interrupted export had moved aside"
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+                note = f"removed {folder}, left behind by an interrupted export"
+            logger.warning("%s", note)
+            notes.append(note)
+    return notes
+
+
+def install(staging: Path, target: Path) -> None:
+    """Move the finished staging folder to ``target``, replacing an existing one last."""
+    if target.exists():
+        trash = _sibling(target, _TRASH)
+        os.replace(target, trash)
+        os.replace(staging, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+
+
+def check_output_dir(target: Path, source: Path | None, overwrite: bool) -> None:
+    """Refuse an ``output_dir`` whose replacement would delete anything but an earlier export.
+
+    The export replaces ``target`` as a whole, so ``target`` must not be the source folder,
+    contain it (a parent folder: sibling runs with it) or lie inside it; and ``overwrite`` only
+    replaces a folder every entry of which an earlier export wrote (its ``report.json`` lists
+    them), never a run folder or anything a user put there.
+    """
+    if source is not None:
+        if target == source:
+            raise ValueError(
+                f"output_dir {target} is the source model folder; the export would replace the "
+                "FP32 model with its FP16 copy. Choose another output_dir."
+            )
+        if target in source.parents:
+            raise ValueError(
+                f"output_dir {target} contains the source model folder {source}; replacing it "
+                "would delete the source and everything next to it. Choose another output_dir."
+            )
+        if source in target.parents:
+            raise ValueError(
+                f"output_dir {target} lies inside the source model folder {source}; write the "
+                "export next to the model, not into it."
+            )
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"output_dir {target} exists and is not a folder")
+    entries = sorted(entry.name for entry in target.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise FileExistsError(f"{target} already exists and is not empty; pass overwrite=True")
+    written = _files_of_earlier_export(target)
+    if written is None:
+        raise FileExistsError(
+            f"{target} is not an earlier FP16 export (no report.json written by export_fp16); "
+            "overwrite replaces only such a folder. Remove it yourself or choose another "
+            "output_dir."
+        )
+    foreign = [name for name in entries if name not in written]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise FileExistsError(
+            f"{target} holds files an earlier export did not write ({shown}); overwrite "
+            "replaces only what export_fp16 wrote. Move them away or choose another output_dir."
+        )
+
+
+def _files_of_earlier_export(folder: Path) -> set[str] | None:
+    """The file names ``folder/report.json`` says an earlier :func:`export_fp16` wrote."""
+    try:
+        report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or not {"source", "parity", "files"} <= set(report):
+        return None
+    files = report["files"]
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        return None
+    return set(files)
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    """Refuse up front when ``folder``'s disk cannot take ``needed`` bytes."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on device for the FP16 export in {folder}: it needs about "
+            f"{human_bytes(needed)}, {human_bytes(free)} free",
+        )
