@@ -40,7 +40,7 @@ def cpu_model() -> str:
 
 def cpu_flags() -> list[str] | None:
     """Which of :data:`CPU_FLAGS` the CPU has (None where ``/proc/cpuinfo`` cannot tell)."""
-    flags = _cpuinfo_field("flags")
+    flags = _cpuinfo_field("flags") or _cpuinfo_field("features")  # x86, Arm
     if flags is None:
         return None
     present = set(flags.split())
