@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import os
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from machine import describe_machine, format_machine
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
@@ -118,14 +117,6 @@ def measure(kind: str, width: int, calls: int, rounds: int) -> list[dict[str, ob
     return rows
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--module", default="layernorm", choices=("layernorm", "linear"))
@@ -139,13 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rows = measure(args.module, args.width, args.calls, args.rounds)
     name = {"layernorm": "LayerNorm", "linear": "Linear"}[args.module]
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(f"## FP32 island host cost: {name}({args.width}), input 1 x {args.width}, CPU eager")
     print()
+    print(f"Machine: {format_machine(describe_machine())}.")
+    print()
     print(
-        f"torch {torch.__version__}, {_cpu_name()}, {os.cpu_count()} cores, "
-        f"{args.threads} torch thread(s), load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
-        f"{args.rounds} interleaved rounds x {args.calls} calls; us of thread CPU time per call"
+        f"{args.threads} torch thread(s); {args.rounds} interleaved rounds x {args.calls} calls; "
+        "us of thread CPU time per call"
     )
     print()
     print("| regime | plain | island | island - plain [p25/p75] | of which input/output casts |")

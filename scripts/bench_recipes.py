@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from machine import describe_machine, format_machine
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-from fidelity import machine  # noqa: E402  (one description of the machine for both scripts)
 
 RECIPES = {
     "bert": ("recipes/finetune_bert.py", "runs/bert_offline"),
@@ -122,9 +122,7 @@ def report(records: list[dict[str, Any]], info: dict[str, Any], argv: Sequence[s
         "",
         f"- command: `{' '.join(['python scripts/bench_recipes.py', *argv])}`",
         f"- date: {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",
-        f"- CPU: {info['cpu']}, {info['cores']} cores (capability {info['cpu_capability']}, "
-        f"native BF16: {info['native_bf16']}); torch {info['torch']}, transformers "
-        f"{info['transformers']}, Python {info['python']}",
+        f"- machine: {format_machine(info)}",
         f"- OMP_NUM_THREADS: {os.environ.get('OMP_NUM_THREADS', 'unset (torch default)')}",
         "- each run: `accelerate launch recipes/finetune_X.py` in an empty folder, fresh tokenizer "
         f"cache; pass = result ok, scale grew, >= 1 skipped step, wall <= {MAX_WALL_S:.0f} s",
@@ -163,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "cpu-recipes.md")
     args = parser.parse_args(argv)
-    info = machine()
+    info = describe_machine()
     records = []
     for _ in range(args.repeats):
         for recipe in args.recipes:

@@ -62,8 +62,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -72,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from machine import describe_machine, format_machine
 
 from amp_trainer.scaler import DynamicLossScaler
 
@@ -346,17 +345,14 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def environment_lines(
     args: argparse.Namespace, bench: Bench, shapes: list[tuple[int, ...]]
 ) -> list[str]:
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     device = str(bench.device)
     if bench.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name(bench.device)})"
     return [
         f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}",
-        f"- device: {device}; torch threads: {torch.get_num_threads()} "
-        f"(os.cpu_count()={os.cpu_count()})",
-        f"- load average at start (1/5/15 min): {load}",
+        f"- machine at start: {format_machine(describe_machine())}",
+        f"- device: {device}; torch threads: {torch.get_num_threads()}",
         f"- gradients: {numel(shapes):,} FP32 elements in {len(shapes)} tensors "
         f"(largest {math.prod(max(shapes, key=math.prod)):,}), loss scale {LOSS_SCALE:g}",
         f"- protocol: {'unscale_() + ' if args.explicit_unscale else ''}step() + update(); "

@@ -48,7 +48,6 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from machine import describe_machine, format_machine
 
 MODES = ("amp-fp16", "stock-fp16", "amp-bf16", "fp32")
 # Not run by default: AmpTrainer fp16 without the FP32-norm forward hooks (keep_norms_fp32=False),
@@ -327,9 +328,6 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
         )
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     table += ["| " + " | ".join(r) + " |" for r in rows]
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    import transformers
-
     first = next(r for results in runs.values() for r in results)
     spec = MODELS[args.model]
     lines = [
@@ -337,10 +335,8 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
         "",
         f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- torch {torch.__version__}, transformers {transformers.__version__}, Python "
-        f"{platform.python_version()}; device {args.device}; torch threads per run: "
-        f"{args.threads or torch.get_num_threads()} (os.cpu_count()={os.cpu_count()})",
-        f"- load average at the end (1/5/15 min): {load}",
+        f"- machine at the end: {format_machine(describe_machine())}",
+        f"- device {args.device}; torch threads per run: {args.threads or torch.get_num_threads()}",
         f"- model: BertForSequenceClassification, {spec['num_hidden_layers']} layers x "
         f"{spec['hidden_size']} wide, vocab {spec['vocab']}; batch {args.batch_size} x seq "
         f"{args.seq_len}; optimizer {first['optimizer']}, max_grad_norm 1.0",

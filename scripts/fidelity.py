@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from machine import describe_machine, format_machine
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = {"bert": "recipes/finetune_bert.py", "gpt2": "recipes/finetune_gpt2.py"}
@@ -55,34 +56,6 @@ METRICS = {
     ),
     "gpt2": (("perplexity", ("eval", "perplexity"), 1.0),),
 }
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine() -> dict[str, Any]:
-    """What a timing or a result depends on: CPU, cores, load, library versions."""
-    import torch
-    import transformers
-
-    return {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-        "load_average": [round(v, 2) for v in os.getloadavg()],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def result_path(results: Path, recipe: str, precision: str, seed: int) -> Path:
@@ -216,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     args.results.mkdir(parents=True, exist_ok=True)
-    info = machine()
+    info = describe_machine()
     print(f"machine: {json.dumps(info)}", flush=True)
     if not args.summary_only:
         # One tokenizer for the whole sweep: the first run trains it, the others load it. This
@@ -258,9 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         "- command: `python scripts/fidelity.py` (one subprocess per run, results in "
         "`benchmarks/fidelity/`)",
-        f"- CPU: {info['cpu']}, {info['cores']} cores, capability {info['cpu_capability']}, "
-        f"native BF16: {info['native_bf16']}; torch {info['torch']}, transformers "
-        f"{info['transformers']}; threads per run: {args.threads or 'torch default'}",
+        f"- machine: {format_machine(info)}",
+        f"- threads per run: {args.threads or 'torch default'}",
         f"- {len(records)} run(s); 1-min load average before the runs: "
         + (f"{min(loads):.2f}-{max(loads):.2f}" if loads else "-"),
         f"- written {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",

@@ -30,7 +30,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import describe_machine, format_machine
 
 SCRIPTS = Path(__file__).resolve().parent
 MODES = ("fp32", "fp16-ours", "fp16-stock", "bf16")
@@ -74,17 +74,11 @@ def save_part(path: Path, part: str, record: dict[str, Any]) -> None:
 def environment() -> dict[str, Any]:
     meta: dict[str, Any] = {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        "machine": describe_machine(),
         "cuda_available": torch.cuda.is_available(),
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "cpu_count": os.cpu_count(),
     }
-    for name in ("transformers", "accelerate"):
-        with contextlib.suppress(ImportError):
-            meta[name] = __import__(name).__version__
     if torch.cuda.is_available():
-        meta["gpu"] = torch.cuda.get_device_name(0)
         meta["cuda"] = torch.version.cuda
     return meta
 
@@ -97,7 +91,10 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 def render_markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     lines = ["# amp-trainer GPU check", ""]
-    lines += [f"- {key}: {value}" for key, value in meta.items()]
+    lines += [
+        f"- {key}: {format_machine(value) if key == 'machine' else value}"
+        for key, value in meta.items()
+    ]
     for part, record in results["parts"].items():
         lines += ["", f"## {part} ({record.get('status')}, {record.get('seconds', 0):.0f} s)", ""]
         if record.get("status") != "ok":

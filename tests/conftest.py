@@ -1,7 +1,9 @@
-"""Shared test fixtures: tiny real models built from configs (nothing is downloaded)."""
+"""Shared test fixtures: tiny real models built from configs (nothing is downloaded) and the
+arguments of a tiny training run."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -101,3 +103,38 @@ def tiny_bert():
 @pytest.fixture
 def tiny_gpt2():
     return make_tiny_gpt2()
+
+
+#: A tiny CPU training run: real fp16, 4 optimizer steps of batch 4, every step logged, nothing
+#: saved, reported or drawn as a progress bar.
+TINY_RUN = dict(
+    use_cpu=True,
+    precision="fp16",
+    max_steps=4,
+    per_device_train_batch_size=4,
+    learning_rate=1e-3,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+)
+
+
+def tiny_training_args(output_dir, cls=None, **overrides):
+    """``cls`` (default :class:`amp_trainer.AmpTrainingArguments`) for a :data:`TINY_RUN` writing
+    to ``output_dir``; ``overrides`` win.
+
+    ``precision="fp16"`` is left out when the run names its precision with the stock flags
+    (``fp16=True``, as a drop-in user writes it) and for classes without that field (a stock
+    ``TrainingArguments``).
+    """
+    if cls is None:
+        from amp_trainer import AmpTrainingArguments
+
+        cls = AmpTrainingArguments
+    kwargs = {"output_dir": str(output_dir), **TINY_RUN}
+    has_precision = "precision" in {f.name for f in dataclasses.fields(cls)}
+    if not has_precision or "fp16" in overrides or "bf16" in overrides:
+        del kwargs["precision"]
+    kwargs.update(overrides)
+    return cls(**kwargs)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
 from types import ModuleType
 
 import pytest
+import torch
 from conftest import REPO_ROOT, subprocess_env
 
 SCRIPTS = REPO_ROOT / "scripts"
@@ -17,6 +19,8 @@ SCRIPTS = REPO_ROOT / "scripts"
 
 def _load_script(name: str) -> ModuleType:
     """Import scripts/<name>.py in this process (the scripts directory is not a package)."""
+    if str(SCRIPTS) not in sys.path:  # where `python scripts/<name>.py` finds scripts/machine.py
+        sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -50,6 +54,28 @@ def _table_rows(output: str, first_header: str) -> tuple[list[str], list[list[st
             break
         rows.append(cells)
     return header, rows
+
+
+def test_describe_machine_records_cpu_cores_load_and_commit_of_this_machine():
+    machine = _load_script("machine")
+
+    info = machine.describe_machine()
+
+    assert info["cpu"] and info["cpu"] != "unknown"
+    assert info["cores"] == os.cpu_count()
+    if hasattr(os, "sched_getaffinity"):
+        assert info["usable_cores"] == len(os.sched_getaffinity(0))
+    assert len(info["load_average"]) == 3 and all(v >= 0 for v in info["load_average"])
+    assert set(info["cpu_flags"] or []) <= set(machine.CPU_FLAGS)
+    if (REPO_ROOT / ".git").exists() and shutil.which("git"):  # a checkout (worktree: a file)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+        )
+        assert info["git"]["commit"] == head.stdout.strip()
+        assert isinstance(info["git"]["dirty"], bool)
+    assert info["torch"] == torch.__version__ and info["torch_threads"] >= 1
+    line = machine.format_machine(info)
+    assert info["cpu"] in line and "load average" in line and "logical cores" in line
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script")

@@ -67,7 +67,8 @@ def test_islands_a_model_was_trained_with_are_kept_fp32_in_the_export(tmp_path):
 
 
 def test_a_model_trained_by_amptrainer_exports_with_the_island_training_added(tmp_path):
-    from test_trainer_support import ToyClassification, amp_args
+    from conftest import tiny_training_args
+    from test_trainer_support import ToyClassification
 
     from amp_trainer import AmpTrainer
 
@@ -77,7 +78,7 @@ def test_a_model_trained_by_amptrainer_exports_with_the_island_training_added(tm
         model.get_submodule(culprit).weight.mul_(5e5)
     trainer = AmpTrainer(
         model=model,
-        args=amp_args(tmp_path / "run", max_steps=2),
+        args=tiny_training_args(tmp_path / "run", max_steps=2),
         train_dataset=ToyClassification(),
     )
     trainer.train()

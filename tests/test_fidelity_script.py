@@ -11,6 +11,9 @@ from tests.conftest import REPO_ROOT
 
 
 def load_fidelity():
+    scripts = str(REPO_ROOT / "scripts")
+    if scripts not in sys.path:  # where `python scripts/fidelity.py` finds scripts/machine.py
+        sys.path.insert(0, scripts)
     spec = importlib.util.spec_from_file_location(
         "_fidelity", REPO_ROOT / "scripts" / "fidelity.py"
     )

@@ -12,8 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_bert
-from test_trainer_support import amp_args
+from conftest import make_tiny_bert, tiny_training_args
 from transformers import T5Config, T5ForConditionalGeneration
 
 from amp_trainer import AmpAccelerator, AmpTrainer, DynamicLossScaler
@@ -88,7 +87,7 @@ def test_the_test_model_really_overflows_in_fp16_and_is_finite_in_fp32():
 def test_t5_recovers_under_the_default_policy_with_few_skips_and_the_scale_intact(tmp_path, caplog):
     trainer = AmpTrainer(
         model=make_overflowing_t5(),
-        args=amp_args(tmp_path, max_steps=8, learning_rate=1e-4),
+        args=tiny_training_args(tmp_path, max_steps=8, learning_rate=1e-4),
         train_dataset=ToySeq2Seq(),
     )
     with caplog.at_level(logging.WARNING, logger="amp_trainer.forward_overflow"):
@@ -107,7 +106,7 @@ def test_t5_recovers_under_the_default_policy_with_few_skips_and_the_scale_intac
 def test_raise_names_wo_at_the_first_overflowing_step(tmp_path):
     trainer = AmpTrainer(
         model=make_overflowing_t5(),
-        args=amp_args(tmp_path, max_steps=4, on_forward_overflow="raise"),
+        args=tiny_training_args(tmp_path, max_steps=4, on_forward_overflow="raise"),
         train_dataset=ToySeq2Seq(),
     )
     with pytest.raises(LossScaleError, match=r"Step 1: forward overflow in .*DenseReluDense\.wo"):
@@ -118,7 +117,7 @@ def test_raise_names_wo_at_the_first_overflowing_step(tmp_path):
 def test_skip_keeps_todays_behaviour_of_backing_the_scale_off(tmp_path):
     trainer = AmpTrainer(
         model=make_overflowing_t5(),
-        args=amp_args(tmp_path, max_steps=3, on_forward_overflow="skip"),
+        args=tiny_training_args(tmp_path, max_steps=3, on_forward_overflow="skip"),
         train_dataset=ToySeq2Seq(),
     )
     trainer.train()
@@ -130,7 +129,7 @@ def test_skip_keeps_todays_behaviour_of_backing_the_scale_off(tmp_path):
 def test_t5_declared_keep_in_fp32_modules_make_wo_compute_in_fp32_under_autocast(tmp_path):
     trainer = AmpTrainer(
         model=make_overflowing_t5(declared=True),
-        args=amp_args(tmp_path, max_steps=2),
+        args=tiny_training_args(tmp_path, max_steps=2),
         train_dataset=ToySeq2Seq(),
     )
     seen = {}
@@ -146,7 +145,7 @@ def test_t5_declared_keep_in_fp32_modules_make_wo_compute_in_fp32_under_autocast
 def test_fp32_modules_argument_makes_those_modules_islands_before_training(tmp_path):
     trainer = AmpTrainer(
         model=make_overflowing_t5(),
-        args=amp_args(tmp_path, max_steps=2, fp32_modules=["DenseReluDense.wo"]),
+        args=tiny_training_args(tmp_path, max_steps=2, fp32_modules=["DenseReluDense.wo"]),
         train_dataset=ToySeq2Seq(),
     )
     wos = [n for n, m in trainer.model.named_modules() if n.endswith("DenseReluDense.wo")]
@@ -159,7 +158,7 @@ def test_fp32_modules_naming_no_module_is_an_error_naming_it(tmp_path):
     with pytest.raises(ValueError, match="'no_such_layer'"):
         AmpTrainer(
             model=make_overflowing_t5(),
-            args=amp_args(tmp_path, fp32_modules=["no_such_layer"]),
+            args=tiny_training_args(tmp_path, fp32_modules=["no_such_layer"]),
             train_dataset=ToySeq2Seq(),
         )
 
@@ -179,11 +178,11 @@ def test_the_new_arguments_parse_from_the_command_line(tmp_path):
 
 def test_an_unknown_policy_is_an_error_listing_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match=r"on_forward_overflow must be one of \('fp32'"):
-        amp_args(tmp_path, on_forward_overflow="ignore")
+        tiny_training_args(tmp_path, on_forward_overflow="ignore")
 
 
 def test_islands_added_in_training_are_in_checkpoints_and_come_back_on_resume(tmp_path):
-    args = amp_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    args = tiny_training_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
     first = AmpTrainer(model=make_overflowing_t5(), args=args, train_dataset=ToySeq2Seq())
     first.train()
     saved = json.loads((tmp_path / "checkpoint-2" / "config.json").read_text())
@@ -193,7 +192,7 @@ def test_islands_added_in_training_are_in_checkpoints_and_come_back_on_resume(tm
     assert not is_fp32_island(fresh.get_submodule(WO))
     resumed = AmpTrainer(
         model=fresh,
-        args=amp_args(tmp_path, max_steps=4, save_strategy="no"),
+        args=tiny_training_args(tmp_path, max_steps=4, save_strategy="no"),
         train_dataset=ToySeq2Seq(),
     )
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))

@@ -8,13 +8,12 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_bert
+from conftest import make_tiny_bert, tiny_training_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_trainer_support import (
     InjectOverflow,
     ToyClassification,
-    amp_args,
     train_logs,
 )
 from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
@@ -205,7 +204,7 @@ def test_cli_rejects_an_unknown_precision_choice(tmp_path, capsys):
 def test_scaler_is_built_from_the_arguments(tmp_path):
     trainer = AmpTrainer(
         model=make_tiny_bert(),
-        args=amp_args(tmp_path, loss_scale_init=512.0, loss_scale_hysteresis=3),
+        args=tiny_training_args(tmp_path, loss_scale_init=512.0, loss_scale_hysteresis=3),
     )
 
     assert trainer.loss_scaler.get_scale() == 512.0
@@ -223,7 +222,9 @@ def test_plain_training_arguments_with_fp16_get_the_default_scaler(tmp_path):
 
 def test_a_scaler_passed_in_is_the_one_used(tmp_path):
     scaler = DynamicLossScaler("cpu", init_scale=8.0, growth_interval=3)
-    trainer = AmpTrainer(model=make_tiny_bert(), args=amp_args(tmp_path), loss_scaler=scaler)
+    trainer = AmpTrainer(
+        model=make_tiny_bert(), args=tiny_training_args(tmp_path), loss_scaler=scaler
+    )
 
     assert trainer.loss_scaler is scaler
     assert trainer.accelerator.scaler is scaler
@@ -233,7 +234,7 @@ def test_a_scaler_passed_to_a_run_without_fp16_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="the run is fp32, which uses no loss scaling"):
         AmpTrainer(
             model=make_tiny_bert(),
-            args=amp_args(tmp_path, precision="fp32"),
+            args=tiny_training_args(tmp_path, precision="fp32"),
             loss_scaler=DynamicLossScaler("cpu"),
         )
 
@@ -241,7 +242,7 @@ def test_a_scaler_passed_to_a_run_without_fp16_is_a_value_error(tmp_path):
 def test_bf16_precision_trains_with_no_scaler(tmp_path):
     trainer = AmpTrainer(
         model=make_tiny_bert(),
-        args=amp_args(tmp_path, precision="bf16", max_steps=2),
+        args=tiny_training_args(tmp_path, precision="bf16", max_steps=2),
         train_dataset=ToyClassification(),
     )
     trainer.train()
@@ -253,7 +254,7 @@ def test_bf16_precision_trains_with_no_scaler(tmp_path):
 def test_fp32_precision_installs_no_scaler_and_logs_no_scale(tmp_path):
     trainer = AmpTrainer(
         model=make_tiny_bert(),
-        args=amp_args(tmp_path, precision="fp32", max_steps=2),
+        args=tiny_training_args(tmp_path, precision="fp32", max_steps=2),
         train_dataset=ToyClassification(),
     )
     trainer.train()
@@ -268,7 +269,9 @@ def _train_with_overflows(tmp_path, steps, **overrides):
     model = make_tiny_bert()
     trainer = AmpTrainer(
         model=model,
-        args=amp_args(tmp_path, loss_scale_init=2.0**10, loss_scale_growth_interval=2, **overrides),
+        args=tiny_training_args(
+            tmp_path, loss_scale_init=2.0**10, loss_scale_growth_interval=2, **overrides
+        ),
         train_dataset=ToyClassification(),
         callbacks=[InjectOverflow(model.classifier.weight, steps)],
     )
@@ -348,7 +351,7 @@ def test_callbacks_see_the_scalers_skip_flag_and_an_up_to_date_history(tmp_path)
     model = make_tiny_bert()
     trainer = AmpTrainer(
         model=model,
-        args=amp_args(tmp_path, max_steps=3),
+        args=tiny_training_args(tmp_path, max_steps=3),
         train_dataset=ToyClassification(),
         callbacks=[InjectOverflow(model.classifier.weight, {2}), probe],
     )
@@ -362,7 +365,7 @@ def test_fp16_training_reduces_the_loss(tmp_path):
     dataset = ToyClassification(n=8)
     trainer = AmpTrainer(
         model=make_tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-        args=amp_args(
+        args=tiny_training_args(
             tmp_path,
             max_steps=10,
             per_device_train_batch_size=8,

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import tiny_training_args
 from test_trainer_support import InjectOverflow
 from transformers import (
     Seq2SeqTrainer,
@@ -59,22 +60,8 @@ class ToyTranslation(torch.utils.data.Dataset):
 
 
 def seq2seq_args(tmp_path, cls=AmpSeq2SeqTrainingArguments, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        precision="fp16",
-        max_steps=3,
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        loss_scale_init=2.0**10,
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
+    settings = dict(max_steps=3, per_device_eval_batch_size=4, loss_scale_init=2.0**10)
+    return tiny_training_args(tmp_path, cls, **{**settings, **overrides})
 
 
 class Seq2SeqFirst(Seq2SeqTrainer, AmpTrainerMixin):

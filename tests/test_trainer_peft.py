@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
-from conftest import make_tiny_bert, make_tiny_gpt2
+from conftest import make_tiny_bert, make_tiny_gpt2, tiny_training_args
 from peft import LoraConfig, TaskType, get_peft_model
 from test_trainer_support import (
     InjectOverflow,
     ToyClassification,
     ToyLanguageModeling,
-    amp_args,
     train_logs,
 )
 from torch import nn
@@ -21,7 +20,7 @@ from amp_trainer import AmpTrainer
 
 
 def _args(tmp_path, **overrides):
-    return amp_args(tmp_path, **{"learning_rate": 1e-2, **overrides})
+    return tiny_training_args(tmp_path, **{"learning_rate": 1e-2, **overrides})
 
 
 def _lora_gpt2_on_fp16_base():

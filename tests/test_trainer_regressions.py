@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_bert, make_tiny_gpt2
+from conftest import make_tiny_bert, make_tiny_gpt2, tiny_training_args
 from test_trainer_support import (
     InjectOverflow,
     RecordSkipFlags,
@@ -25,20 +25,8 @@ from amp_trainer.trainer import AmpTrainer, AmpTrainingArguments, _forward_consu
 
 
 def _args(cls, tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        fp16=True,
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
+    """Stock and Amp arguments alike: ``fp16=True``, as a user switching to AmpTrainer has it."""
+    return tiny_training_args(tmp_path, cls, fp16=True, **{"max_steps": 6, **overrides})
 
 
 # ---- defect 1: fused AdamW overflow not seen as skipped; the LR scheduler advances ------------

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_bert, reset_accelerate_state
+from conftest import make_tiny_bert, reset_accelerate_state, tiny_training_args
 from test_trainer_support import (
     InjectOverflow,
     ToyClassification,
     train_logs,
 )
 
-from amp_trainer import AmpTrainer, AmpTrainingArguments
+from amp_trainer import AmpTrainer
 
 MAX_STEPS = 8
 CHECKPOINT_STEP = 3
@@ -23,18 +23,11 @@ OVERFLOW_STEPS = {2, 6}
 
 def _trainer(output_dir):
     model = make_tiny_bert()
-    args = AmpTrainingArguments(
-        output_dir=str(output_dir),
-        use_cpu=True,
-        precision="fp16",
+    args = tiny_training_args(
+        output_dir,
         max_steps=MAX_STEPS,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
         save_strategy="steps",
         save_steps=CHECKPOINT_STEP,
-        report_to="none",
-        disable_tqdm=True,
         loss_scale_init=2.0**10,
         loss_scale_growth_interval=2,
     )

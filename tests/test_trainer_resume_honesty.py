@@ -10,10 +10,10 @@ import subprocess
 
 import pytest
 import torch
-from conftest import make_tiny_bert, reset_accelerate_state
+from conftest import make_tiny_bert, reset_accelerate_state, tiny_training_args
 from test_trainer_support import InjectOverflow, ToyClassification
 
-from amp_trainer import AmpTrainer, AmpTrainingArguments
+from amp_trainer import AmpTrainer
 from amp_trainer.reporting import summarize_loss_scale
 
 MAX_STEPS = 6
@@ -24,25 +24,16 @@ OVERFLOW_STEPS = {2, 5}  # one skip on each side of the checkpoint
 def make_trainer(output_dir, *, max_steps=MAX_STEPS, save_steps=CHECKPOINT_STEP, **overrides):
     reset_accelerate_state()
     model = make_tiny_bert()
-    kwargs = dict(
-        output_dir=str(output_dir),
-        use_cpu=True,
-        precision="fp16",
+    settings = dict(
         max_steps=max_steps,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
         save_strategy="steps",
         save_steps=save_steps,
-        report_to="none",
-        disable_tqdm=True,
         loss_scale_init=2.0**10,
         loss_scale_growth_interval=2,
     )
-    kwargs.update(overrides)
     return AmpTrainer(
         model=model,
-        args=AmpTrainingArguments(**kwargs),
+        args=tiny_training_args(output_dir, **{**settings, **overrides}),
         train_dataset=ToyClassification(),
         callbacks=[InjectOverflow(model.classifier.weight, OVERFLOW_STEPS)],
     )

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import make_tiny_bert
-from test_trainer_support import InjectOverflow, ToyClassification, amp_args
+from conftest import make_tiny_bert, tiny_training_args
+from test_trainer_support import InjectOverflow, ToyClassification
 from transformers import HfArgumentParser
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments
@@ -23,7 +23,7 @@ def _trainer(tmp_path, overflow_steps, **overrides):
     model = make_tiny_bert()
     return AmpTrainer(
         model=model,
-        args=amp_args(tmp_path, **overrides),
+        args=tiny_training_args(tmp_path, **overrides),
         train_dataset=ToyClassification(),
         callbacks=[InjectOverflow(model.classifier.weight, overflow_steps)],
     )
@@ -90,7 +90,7 @@ def test_zero_disables_the_limit(tmp_path):
 @pytest.mark.parametrize("value", [-1, 2.5, True, "10"])
 def test_a_bad_limit_is_a_value_error_naming_the_argument(tmp_path, value):
     with pytest.raises(ValueError, match="max_consecutive_skipped_steps must be an int >= 0"):
-        amp_args(tmp_path, max_consecutive_skipped_steps=value)
+        tiny_training_args(tmp_path, max_consecutive_skipped_steps=value)
 
 
 def test_loss_scale_error_is_both_a_runtime_error_and_a_floating_point_error():

@@ -12,26 +12,6 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from amp_trainer import AmpTrainingArguments
-
-
-def amp_args(tmp_path, **overrides) -> AmpTrainingArguments:
-    """Tiny-run AmpTrainingArguments (CPU, real fp16, 4 steps, no saving); overrides win."""
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        precision="fp16",
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return AmpTrainingArguments(**kwargs)
-
 
 class ToyClassification(torch.utils.data.Dataset):
     """Random token sequences with binary labels: enough for BERT to produce real gradients."""

@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 import pytest
-from conftest import make_tiny_gpt2
+from conftest import make_tiny_gpt2, tiny_training_args
 from test_trainer_support import InjectOverflow, train_logs
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
@@ -70,18 +70,11 @@ class AmpDPOTrainer(DPOTrainer, AmpTrainerMixin):
     pass
 
 
-def _common(tmp_path) -> dict:
-    return dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        precision="fp16",
+def _trl_args(cls, tmp_path):
+    return tiny_training_args(
+        tmp_path / "out",
+        cls,
         max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
         loss_scale_init=2.0**10,
         max_length=32,
         gradient_checkpointing=False,
@@ -96,7 +89,7 @@ def test_sft_trainer_trains_fp16_with_the_scaler_skipping_an_overflow(
     model = _gpt2(tokenizer)
     trainer = trainer_cls(
         model=model,
-        args=AmpSFTConfig(**_common(tmp_path)),
+        args=_trl_args(AmpSFTConfig, tmp_path),
         train_dataset=Dataset.from_dict({"text": _sentences(24)}),
         processing_class=tokenizer,
         callbacks=[InjectOverflow(model.transformer.h[0].mlp.c_fc.weight, {2})],
@@ -120,7 +113,7 @@ def test_dpo_trainer_trains_fp16_with_the_scaler_skipping_an_overflow(tmp_path, 
     trainer = AmpDPOTrainer(
         model=model,
         ref_model=_gpt2(tokenizer),
-        args=AmpDPOConfig(**_common(tmp_path)),
+        args=_trl_args(AmpDPOConfig, tmp_path),
         train_dataset=Dataset.from_dict(
             {"prompt": prompts, "chosen": chosen, "rejected": rejected}
         ),
