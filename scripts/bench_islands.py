@@ -10,7 +10,7 @@ both alike; the overhead column is the paired per-round difference, median [p25/
 this thread's CPU time (``time.thread_time``), so other processes on a shared machine do not
 count; with ``--threads 1`` that is all the work a call does.
 
-Regimes (the module is ``LayerNorm(width)`` by default, the README's figure):
+Regimes (the module is ``LayerNorm(width)`` by default, the figure in benchmarks/README.md):
 
 * ``fp32 eager``: FP32 input, no autocast (the wrapper's bare cost: nothing to cast);
 * ``autocast, fp32 in``: FP32 input under FP16 autocast, what a transformer's residual stream
