@@ -25,6 +25,7 @@ __all__ = [
     "LossScaleError",
     "ScalerStats",
     "Verdict",
+    "deepspeed_fp16_config",
     "diagnose",
     "export_fp16",
     "install_scaler",
@@ -42,10 +43,11 @@ _WHERE = {
     "AmpAccelerator": "amp_trainer.accelerate_hooks",
     "install_scaler": "amp_trainer.accelerate_hooks",
     "AmpSeq2SeqTrainer": "amp_trainer.trainer",
-    "AmpSeq2SeqTrainingArguments": "amp_trainer.trainer",
+    "AmpSeq2SeqTrainingArguments": "amp_trainer.training_args",
     "AmpTrainer": "amp_trainer.trainer",
     "AmpTrainerMixin": "amp_trainer.trainer",
-    "AmpTrainingArguments": "amp_trainer.trainer",
+    "AmpTrainingArguments": "amp_trainer.training_args",
+    "deepspeed_fp16_config": "amp_trainer.deepspeed",
     "export_fp16": "amp_trainer.export",
     "load_fp16_export": "amp_trainer.export",
     "Diagnosis": "amp_trainer.doctor",
@@ -55,17 +57,13 @@ _WHERE = {
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.accelerate_hooks import AmpAccelerator, install_scaler
+    from amp_trainer.deepspeed import deepspeed_fp16_config
     from amp_trainer.doctor import Diagnosis, Verdict, diagnose
     from amp_trainer.export import export_fp16, load_fp16_export
     from amp_trainer.islands import keep_in_fp32, keep_norms_in_fp32
     from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
-    from amp_trainer.trainer import (
-        AmpSeq2SeqTrainer,
-        AmpSeq2SeqTrainingArguments,
-        AmpTrainer,
-        AmpTrainerMixin,
-        AmpTrainingArguments,
-    )
+    from amp_trainer.trainer import AmpSeq2SeqTrainer, AmpTrainer, AmpTrainerMixin
+    from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
 
 
 def __getattr__(name: str) -> Any:

@@ -23,8 +23,9 @@ captures the scaler at wrap time) and fix the places where upstream Accelerate i
   ``scaler.pt`` in bf16/fp32, and checkpoints without one (or with torch's) resume.
 * ``prepare(model)`` calls ``scaler.watch(model)``, so overflows name parameters in plain loops.
 
-DeepSpeed runs its own loss scaler inside its engine: :func:`deepspeed_fp16_config` writes our
-knobs as DeepSpeed's ``"fp16"`` config section instead.
+DeepSpeed runs its own loss scaler inside its engine:
+:func:`~amp_trainer.deepspeed.deepspeed_fp16_config` writes our knobs as DeepSpeed's ``"fp16"``
+config section instead.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from amp_trainer.islands import apply_fp32_policy
 from amp_trainer.precision import resolve_precision
 from amp_trainer.scaler import DynamicLossScaler
 
-__all__ = ["AmpAccelerator", "deepspeed_fp16_config", "install_scaler"]
+__all__ = ["AmpAccelerator", "install_scaler"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,9 @@ def install_scaler(
 
     Raises:
         RuntimeError: optimizers were already prepared.
-        ValueError: DeepSpeed/Megatron-LM own the scaling (use :func:`deepspeed_fp16_config`), or
-            an enabled scaler was given for a bf16/fp32 run.
+        ValueError: DeepSpeed/Megatron-LM own the scaling (use
+            :func:`~amp_trainer.deepspeed.deepspeed_fp16_config`), or an enabled scaler was given
+            for a bf16/fp32 run.
     """
     if scaler is not None and scaler_kwargs:
         raise TypeError(
@@ -99,8 +101,8 @@ def install_scaler(
     if accelerator.distributed_type in _ENGINE_OWNS_SCALING:
         raise ValueError(
             f"{accelerator.distributed_type.value} runs its own loss scaler inside its engine; "
-            "configure it there: amp_trainer.accelerate_hooks.deepspeed_fp16_config(...) returns "
-            "our knobs as DeepSpeed's 'fp16' config section."
+            "configure it there: amp_trainer.deepspeed_fp16_config(...) returns our knobs as "
+            "DeepSpeed's 'fp16' config section."
         )
     if accelerator._optimizers:
         raise RuntimeError(
@@ -222,7 +224,7 @@ class AmpAccelerator(Accelerator):
             logger.warning(
                 "%s is in use: its engine runs its own loss scaler and our DynamicLossScaler is "
                 "not installed. Put the equivalent settings in its config with "
-                "amp_trainer.accelerate_hooks.deepspeed_fp16_config(...).",
+                "amp_trainer.deepspeed_fp16_config(...).",
                 self.distributed_type.value,
             )
             return
@@ -489,136 +491,3 @@ def _holds_scaler_state(path: Path) -> bool:
     if not path.is_file():
         return False
     return bool(torch.load(path, weights_only=True))
-
-
-def _power_of_two_exponent(value: float) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"init_scale must be a number, got {value!r}")
-    if not (math.isfinite(value) and value >= 1.0):
-        raise ValueError(f"init_scale must be a finite power of two >= 1, got {value!r}")
-    mantissa, exponent = math.frexp(value)
-    if mantissa != 0.5:
-        raise ValueError(
-            f"init_scale must be a power of two (DeepSpeed stores it as initial_scale_power), got "
-            f"{value!r}; nearest: {2.0 ** round(math.log2(value))!r}"
-        )
-    return exponent - 1
-
-
-def _whole_min_scale(min_scale: Any, init_scale: float) -> int:
-    """DeepSpeed's parser wants an integer ``min_loss_scale`` (it rejects 0.5): a whole number."""
-    if min_scale is None:
-        return 1  # our default floor (1.0; init_scale is >= 1 here), and DeepSpeed's
-    if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)):
-        raise TypeError(f"min_scale must be a number, got {min_scale!r}")
-    if math.isfinite(min_scale) and min_scale != int(min_scale):
-        raise ValueError(
-            f"min_scale must be a whole number under DeepSpeed (its config stores min_loss_scale "
-            f"as an integer), got {min_scale!r}; nearest valid: {max(1, round(min_scale))}"
-        )
-    if not (math.isfinite(min_scale) and 1 <= min_scale <= init_scale):
-        raise ValueError(
-            f"min_scale must be in [1, init_scale={init_scale!r}] under DeepSpeed, got "
-            f"{min_scale!r}"
-        )
-    return int(min_scale)
-
-
-def deepspeed_fp16_config(
-    init_scale: float = 2.0**16,
-    growth_interval: int = 2000,
-    hysteresis: int = 1,
-    consecutive_hysteresis: bool = False,
-    min_scale: float | None = None,
-    *,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    max_scale: float | None = None,
-    on_min_scale: str = "raise",
-    **extra: Any,
-) -> dict[str, Any]:
-    """Our scaler's knobs as DeepSpeed's ``"fp16"`` config section (dynamic loss scaling).
-
-    DeepSpeed scales inside its engine, so under DeepSpeed the knobs go in its config rather than
-    in a :class:`DynamicLossScaler`: ``{"fp16": deepspeed_fp16_config(hysteresis=2)}``, or from
-    the training arguments: ``deepspeed_fp16_config.from_training_args(args)``. The defaults are
-    :class:`DynamicLossScaler`'s (``hysteresis=1``, torch's behaviour; DeepSpeed's own default is
-    2). What DeepSpeed 0.19.8 cannot express is refused with the reason: growth/backoff other than
-    x2 / x0.5, a ``max_scale``, an ``on_min_scale`` other than ``"raise"`` (its scaler raises at
-    the minimum) and a fractional ``min_scale`` (its parser wants an integer ``min_loss_scale``).
-    One difference stays: DeepSpeed grows the scale first after ``growth_interval + 1`` clean
-    steps (counted from the start or the last overflow), then every ``growth_interval``.
-    ``extra`` adds other keys of the section as they are (``auto_cast``,
-    ``fp16_master_weights_and_grads``); it may not override the ones computed here.
-    """
-    power = _power_of_two_exponent(init_scale)
-    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    min_loss_scale = _whole_min_scale(min_scale, init_scale)
-    if growth_factor != 2.0 or backoff_factor != 0.5:
-        raise ValueError(
-            "DeepSpeed's dynamic loss scaler only doubles and halves the scale: growth_factor "
-            f"must be 2.0 and backoff_factor 0.5, got {growth_factor!r} and {backoff_factor!r}"
-        )
-    if max_scale is not None:
-        raise ValueError(
-            f"DeepSpeed's dynamic loss scaler has no upper bound: max_scale must be None, got "
-            f"{max_scale!r}"
-        )
-    if on_min_scale != "raise":
-        raise ValueError(
-            "DeepSpeed's dynamic loss scaler raises when it overflows at min_loss_scale: "
-            f"on_min_scale must be 'raise' under DeepSpeed, got {on_min_scale!r}"
-        )
-    config: dict[str, Any] = {
-        "enabled": True,
-        "loss_scale": 0,  # 0 = dynamic loss scaling
-        "initial_scale_power": power,
-        "loss_scale_window": growth_interval,
-        "hysteresis": hysteresis,
-        "consecutive_hysteresis": bool(consecutive_hysteresis),
-        "min_loss_scale": min_loss_scale,
-    }
-    clash = sorted(set(extra) & set(config))
-    if clash:
-        raise ValueError(
-            f"deepspeed_fp16_config() computes {clash} itself; pass them as its arguments"
-        )
-    config.update(extra)
-    return config
-
-
-def _deepspeed_fp16_config_from_training_args(args: Any, **extra: Any) -> dict[str, Any]:
-    """``deepspeed_fp16_config`` from an ``AmpTrainingArguments``' ``loss_scale_*`` fields.
-
-    The same knobs then mean the same under DeepSpeed as under our scaler, within what DeepSpeed
-    can express (see :func:`deepspeed_fp16_config`; an error names the ``loss_scale_*`` field).
-    """
-    from amp_trainer.trainer import AmpTrainingArguments  # trainer imports this module
-
-    if not isinstance(args, AmpTrainingArguments):
-        raise TypeError(
-            f"from_training_args() expects AmpTrainingArguments, got {type(args).__name__}"
-        )
-    knobs = args.loss_scaler_kwargs()
-    fields = {
-        "init_scale": "loss_scale_init",
-        "growth_factor": "loss_scale_growth_factor",
-        "backoff_factor": "loss_scale_backoff_factor",
-        "growth_interval": "loss_scale_growth_interval",
-        "hysteresis": "loss_scale_hysteresis",
-        "min_scale": "loss_scale_min",
-        "max_scale": "loss_scale_max",
-        "on_min_scale": "on_min_loss_scale",
-    }
-    try:
-        return deepspeed_fp16_config(**knobs, **extra)
-    except ValueError as err:
-        message = str(err)
-        for key, name in fields.items():
-            message = re.sub(rf"\b{key}\b", name, message)
-        raise ValueError(message) from err
-
-
-deepspeed_fp16_config.from_training_args = _deepspeed_fp16_config_from_training_args  # type: ignore[attr-defined]

@@ -306,7 +306,7 @@ def _training_argument_names() -> frozenset[str]:
     import dataclasses
 
     from amp_trainer.recipe_config import RunArguments
-    from amp_trainer.trainer import AmpTrainingArguments
+    from amp_trainer.training_args import AmpTrainingArguments
 
     names = {
         f.name for cls in (AmpTrainingArguments, RunArguments) for f in dataclasses.fields(cls)

@@ -14,7 +14,8 @@ from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs
 
 from amp_trainer import precision
-from amp_trainer.accelerate_hooks import AmpAccelerator, deepspeed_fp16_config, install_scaler
+from amp_trainer.accelerate_hooks import AmpAccelerator, install_scaler
+from amp_trainer.deepspeed import deepspeed_fp16_config
 from amp_trainer.islands import is_fp32_island, keep_norms_in_fp32
 from amp_trainer.scaler import DynamicLossScaler
 from tests.conftest import REPO_ROOT, make_tiny_bert, make_tiny_gpt2, subprocess_env

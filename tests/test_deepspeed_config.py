@@ -16,9 +16,9 @@ import deepspeed.runtime.fp16.loss_scaler as deepspeed_loss_scaler
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler as DeepSpeedLossScaler
 
-from amp_trainer.accelerate_hooks import deepspeed_fp16_config
+from amp_trainer.deepspeed import deepspeed_fp16_config
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
-from amp_trainer.trainer import AmpTrainingArguments
+from amp_trainer.training_args import AmpTrainingArguments
 
 
 def _parsed(section: dict) -> dict:

@@ -21,7 +21,7 @@ from test_trainer_support import (
 )
 from transformers import Trainer, TrainingArguments
 
-from amp_trainer.trainer import AmpTrainer, AmpTrainingArguments, _forward_consumes_num_items
+from amp_trainer.trainer import AmpTrainer, AmpTrainingArguments
 
 
 def _args(cls, tmp_path, **overrides):
@@ -100,9 +100,13 @@ def test_amp_trainer_gradient_accumulation_matches_one_large_batch_for_bert(tmp_
     assert four["grad_norm"] == pytest.approx(one["grad_norm"], rel=2e-2)
 
 
-def test_num_items_in_batch_is_still_passed_to_models_whose_loss_uses_it():
-    assert _forward_consumes_num_items(make_tiny_gpt2()) is True
-    assert _forward_consumes_num_items(make_tiny_bert()) is False
+def test_num_items_in_batch_is_still_passed_to_models_whose_loss_uses_it(tmp_path):
+    def passes_num_items(model):
+        trainer = AmpTrainer(model=model, args=_args(AmpTrainingArguments, tmp_path))
+        return trainer.model_accepts_loss_kwargs
+
+    assert passes_num_items(make_tiny_gpt2()) is True
+    assert passes_num_items(make_tiny_bert()) is False
 
 
 # ---- defect 3: fp16 on CPU silently trains in FP32 ------------------------------------------

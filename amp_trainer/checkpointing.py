@@ -1,0 +1,323 @@
+"""AmpTrainer's checkpoints and resume: say what happens, never lose a finished run.
+
+Stock ``Trainer`` saves ``scaler.pt`` (which holds our scaler's whole state) and resumes it; what
+:class:`CheckpointKeeper` adds, called from the three hooks ``AmpTrainerMixin`` overrides
+(``train``, ``_save_checkpoint``, ``_load_scaler``):
+
+* :data:`AMP_STATE_FILE` in every checkpoint: the precision and loss-scaler settings the run
+  started with and the whole run's scale history, so a resumed run can tell what changed and
+  report all of its steps;
+* resuming a finished run (the checkpoint of its last step) trains nothing and returns the run's
+  final metrics, where stock ``train`` trains one more step every time;
+* a full disk is one ``OSError(ENOSPC)`` naming the checkpoint, without a half-written folder;
+* ``save_total_limit`` rotation spares the checkpoints of another run found in ``output_dir``;
+* resuming in another precision, without ``scaler.pt``, or with ``loss_scale_*`` arguments the
+  saved scaler state overrides is said in a warning, not silent (and not a crash).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
+
+from amp_trainer.atomic_files import is_disk_full, write_json_atomic
+from amp_trainer.training_args import LOSS_SCALER_FIELDS, AmpTrainingArguments
+
+__all__ = ["AMP_STATE_FILE", "CheckpointKeeper"]
+
+logger = logging.getLogger(__name__)
+
+#: What amp-trainer adds to every checkpoint: the precision and loss-scaler settings the run
+#: started with and the whole run's scale history, so that a resumed run can tell what changed
+#: and report all of its steps, not just those since the resume.
+AMP_STATE_FILE = "amp_trainer_state.json"
+# Stock Trainer's checkpoint file names (transformers.trainer module constants).
+_SCALER_FILE, _TRAINER_STATE_FILE = "scaler.pt", "trainer_state.json"
+
+
+class CheckpointKeeper:
+    """The checkpoint and resume behaviour of one :class:`~amp_trainer.trainer.AmpTrainerMixin`.
+
+    ``trainer`` is the AmpTrainerMixin instance: this reads its ``args``, ``state``,
+    ``precision`` and ``loss_scaler`` and writes its ``scale_history`` and ``resume_overrides``.
+    The stock Trainer methods it wraps are passed in by the trainer's own hooks.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.resume_step: int | None = None  # N of the checkpoint-N resumed from
+        self.at_start: dict[str, int] = {}  # checkpoint folders in output_dir when train() began
+        self._warned_foreign = False
+
+    # -- train() -----------------------------------------------------------------------------
+    def start(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
+        """The checkpoint ``train`` resumes from; remember what ``output_dir`` held at the start."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.trainer.args.output_dir) or True  # stock raises
+        self.resume_step = None
+        if isinstance(checkpoint, (str, os.PathLike)):
+            self.resume_step = _checkpoint_step(Path(checkpoint))
+        folder = Path(self.trainer.args.output_dir)
+        self.at_start = {
+            path.name: step
+            for path in (folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if folder.is_dir() else ())
+            if path.is_dir() and (step := _checkpoint_step(path)) is not None
+        }
+        return checkpoint
+
+    def finished_run(
+        self, checkpoint: str | bool | None, load: Callable[[str], None]
+    ) -> TrainOutput | None:
+        """The run's result if ``checkpoint`` is its last step, else ``None`` (train on).
+
+        A finished run's checkpoint is loaded (``load``, the trainer's ``_load_from_checkpoint``)
+        together with its state and scale history, and a warning names it.
+        """
+        if not isinstance(checkpoint, (str, os.PathLike)):
+            return None
+        checkpoint = str(checkpoint)
+        state_file = Path(checkpoint) / _TRAINER_STATE_FILE
+        if not state_file.is_file():
+            return None  # stock train refuses a checkpoint without its state
+        state = TrainerState.load_from_json(str(state_file))
+        args = self.trainer.args
+        if args.max_steps > 0:
+            target = args.max_steps
+        elif args.num_train_epochs > (state.num_train_epochs or 0):
+            return None  # more epochs asked for than the checkpoint's run had
+        else:
+            target = state.max_steps
+        if not target or state.global_step < target:
+            return None
+        logger.warning(
+            "%s is the end of its run (step %d of max_steps %d): nothing to train. The model is "
+            "the checkpoint's; pass a larger max_steps (or num_train_epochs) to train on.",
+            checkpoint,
+            state.global_step,
+            target,
+        )
+        load(checkpoint)
+        self.trainer.state = state
+        self.restore_scale_history(Path(checkpoint))
+        final = next((e for e in reversed(state.log_history) if "train_loss" in e), {})
+        metrics = {k: v for k, v in final.items() if k.startswith("train_") or k == "total_flos"}
+        return TrainOutput(state.global_step, final.get("train_loss", float("nan")), metrics)
+
+    # -- _save_checkpoint() ------------------------------------------------------------------
+    def save(self, run_dir: str | os.PathLike, save: Callable[[], None]) -> None:
+        """Run ``save`` (stock ``_save_checkpoint``, into ``run_dir``), then add the amp state.
+
+        On a full disk torch says only "[enforce fail at inline_container.cc] ... file write
+        failed" and leaves a half-written ``checkpoint-N``: here that folder is removed and an
+        ``OSError(ENOSPC)`` names it. Checkpoints that were in output_dir before this run (and
+        are not the earlier steps of the run resumed) are left out of ``save_total_limit``
+        rotation: they belong to another run.
+        """
+        args = self.trainer.args
+        run_dir = Path(run_dir)
+        folder = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.trainer.state.global_step}"
+        existed = folder.exists()
+        limit = args.save_total_limit
+        foreign = self._foreign_checkpoints(run_dir)
+        try:
+            if foreign and limit:
+                args.save_total_limit = None  # rotated below, without the foreign ones
+            save()
+            if args.should_save:
+                write_json_atomic(folder / AMP_STATE_FILE, self._amp_state())
+        except Exception as err:
+            if not is_disk_full(err, run_dir):
+                raise
+            if args.should_save and not existed:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on device saving {folder.name} in {run_dir}; the partial "
+                "checkpoint was removed. Free some space and resume from the previous checkpoint.",
+            ) from err
+        finally:
+            args.save_total_limit = limit
+        if foreign and limit and args.should_save:
+            self._rotate_own_checkpoints(run_dir, foreign, limit)
+
+    def _foreign_checkpoints(self, run_dir: Path) -> set[str]:
+        """Checkpoints of another run that were in ``run_dir`` when training started."""
+        if Path(self.trainer.args.output_dir).resolve() != run_dir.resolve():
+            return set()  # hyperparameter-search trial folders: stock behaviour
+        resumed = self.resume_step
+        foreign = {
+            name for name, step in self.at_start.items() if resumed is None or step > resumed
+        }
+        if foreign and not self._warned_foreign:
+            self._warned_foreign = True
+            logger.warning(
+                "output_dir %s holds checkpoint(s) of another run (%s); save_total_limit "
+                "rotation leaves them alone.",
+                run_dir,
+                ", ".join(sorted(foreign)),
+            )
+        return {name for name in foreign if (run_dir / name).is_dir()}
+
+    def _rotate_own_checkpoints(self, run_dir: Path, foreign: set[str], limit: int) -> None:
+        """``save_total_limit`` over this run's checkpoints only (the best one is kept)."""
+        own = sorted(
+            (step, path)
+            for path in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+            if path.is_dir()
+            and path.name not in foreign
+            and (step := _checkpoint_step(path)) is not None
+        )
+        best = self.trainer.state.best_model_checkpoint
+        keep = {path for _, path in own[-limit:]}
+        for _, path in own:
+            if path not in keep and (best is None or Path(best).resolve() != path.resolve()):
+                logger.info("Deleting older checkpoint %s (save_total_limit=%d)", path, limit)
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _amp_state(self) -> dict[str, Any]:
+        args = self.trainer.args
+        return {
+            "precision": self.trainer.precision,
+            "loss_scaler": args.loss_scaler_kwargs()
+            if isinstance(args, AmpTrainingArguments)
+            else {},
+            "scale_history": self.trainer.scale_history,
+        }
+
+    # -- _load_scaler() ----------------------------------------------------------------------
+    def restore_scale_history(self, checkpoint: Path) -> dict[str, Any] | None:
+        """Start ``scale_history`` from the checkpoint's (the run so far); its saved state."""
+        saved = _read_amp_state(checkpoint)
+        step = _checkpoint_step(checkpoint)
+        if saved is not None:
+            history = saved.get("scale_history") or []
+            self.trainer.scale_history = [e for e in history if step is None or e["step"] <= step]
+        elif self.trainer.loss_scaler is not None:
+            logger.warning(
+                "%s has no %s: the loss-scale summary covers only the steps after it.",
+                checkpoint,
+                AMP_STATE_FILE,
+            )
+        return saved
+
+    def load_scaler(self, checkpoint: str | None, load: Callable[[str], None]) -> None:
+        """Resume the loss scaler honestly: say when its state is dropped, missing or overrides.
+
+        ``load`` is stock ``_load_scaler``, which crashes (``'NoneType' object has no attribute
+        'load_state_dict'``) when an fp16 checkpoint is resumed in bf16/fp32 (what LossScaleError
+        advises), and starts a fresh scaler without a word when ``scaler.pt`` is missing.
+        """
+        if checkpoint is None:
+            return
+        trainer = self.trainer
+        scaler = trainer.loss_scaler
+        path = Path(checkpoint)
+        saved = self.restore_scale_history(path)
+        has_state = (path / _SCALER_FILE).is_file()
+        was = (saved or {}).get("precision")
+        if scaler is None:
+            if has_state and trainer.accelerator.scaler is None:
+                scale = _saved_scale(path / _SCALER_FILE)
+                logger.warning(
+                    "Resuming an fp16 checkpoint (%s) in %s: its loss-scaler state%s is dropped; "
+                    "%s trains without loss scaling.",
+                    path.name,
+                    trainer.precision,
+                    "" if scale is None else f" (scale {scale:g})",
+                    trainer.precision,
+                )
+                return
+            load(checkpoint)
+            return
+        if not has_state:
+            if was is not None and was != "fp16":
+                logger.warning(
+                    "Resuming a %s checkpoint (%s) in fp16: the loss scaler starts afresh at "
+                    "scale %g.",
+                    was,
+                    path.name,
+                    scaler.get_scale(),
+                )
+            else:
+                logger.warning(
+                    "%s has no %s: the loss scaler starts afresh at scale %g instead of where the "
+                    "run left it (expect extra skipped steps, and a shifted LR schedule).",
+                    path,
+                    _SCALER_FILE,
+                    scaler.get_scale(),
+                )
+            return
+        given = scaler.state_dict()
+        load(checkpoint)
+        self._report_scaler_overrides(given, scaler.state_dict(), saved, path.name)
+
+    def _report_scaler_overrides(
+        self,
+        given: dict[str, Any],
+        used: dict[str, Any],
+        saved: dict[str, Any] | None,
+        checkpoint: str,
+    ) -> None:
+        """Log the loss_scale_* arguments the checkpoint overrode; write the used ones back."""
+        args = self.trainer.args
+        overrides: dict[str, dict[str, Any]] = {}
+        for name, key in LOSS_SCALER_FIELDS.items():
+            if key == "init_scale":
+                started = ((saved or {}).get("loss_scaler") or {}).get("init_scale")
+                if started is not None and started != getattr(args, name, started):
+                    overrides[name] = {"given": getattr(args, name), "used": started}
+            elif key in given and key in used and given[key] != used[key]:
+                overrides[name] = {"given": given[key], "used": used[key]}
+        self.trainer.resume_overrides = overrides
+        if not overrides:
+            return
+        for name, values in overrides.items():
+            if hasattr(args, name):
+                setattr(args, name, values["used"])
+        logger.warning(
+            "Resumed the loss scaler from %s (scale %g): its state overrides %s. To change them, "
+            "start a new run.",
+            checkpoint,
+            self.trainer.loss_scaler.get_scale(),
+            ", ".join(
+                f"{name}={v['given']!r} (given) with {v['used']!r}" for name, v in overrides.items()
+            ),
+        )
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """N of a ``checkpoint-N`` folder (``None`` for another name)."""
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    name = path.name
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return int(name[len(prefix) :])
+    return None
+
+
+def _read_amp_state(checkpoint: Path) -> dict[str, Any] | None:
+    """The checkpoint's :data:`AMP_STATE_FILE` (``None`` if it has none, or an unreadable one)."""
+    try:
+        data = json.loads((checkpoint / AMP_STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _saved_scale(path: Path) -> float | None:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return float(state["scale"])
+    except Exception:  # only for the message; the state is being dropped anyway
+        return None
