@@ -5,7 +5,7 @@ Each subcommand is a thin shell over a library function (:func:`amp_trainer.expo
 mistake (a missing folder, a threshold out of range, a model that cannot be loaded) prints ONE
 line on stderr and exits 2; a failed parity check, an unhealthy diagnosis or a runtime failure
 (disk full) exits 1; success exits 0. Never a traceback unless ``--debug`` asks for it: errors
-are mapped by :func:`amp_trainer.recipe_config.run_entry_point`, the recipes' mapping too.
+are mapped by :func:`amp_trainer.recipe_support.config.run_entry_point`, the recipes' mapping too.
 """
 
 from __future__ import annotations
@@ -20,8 +20,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.recipe_config import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, run_entry_point
-from amp_trainer.recipe_models import OFFLINE_MINILM, TINY_MODEL_CONFIGS
+from amp_trainer.recipe_support.config import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    run_entry_point,
+)
+from amp_trainer.recipe_support.models import OFFLINE_MINILM, TINY_MODEL_CONFIGS
 
 __all__ = ["build_parser", "main"]
 
@@ -214,7 +220,7 @@ def _check_model_arg(name: str) -> str:
             "recipe and pass the recipe's output_dir"
         )
     if name == OFFLINE_MINILM:
-        from amp_trainer.recipe_models import resolve_model_path
+        from amp_trainer.recipe_support.models import resolve_model_path
 
         return resolve_model_path(name)  # DataError (one line) without the offline extra
     path = Path(name).expanduser()
@@ -338,8 +344,9 @@ def _doctor_batch(model: Any, tokenizer: Any, texts: Sequence[str] | None, label
 
 def _recipe_batch(args: argparse.Namespace) -> tuple[Any, dict, float]:
     """Model, batch and lr of a recipe config (``--config``; or ``--model tiny-bert``: the
-    recipe's built-in defaults), built by :func:`amp_trainer.recipe_models.load_recipe_batch`."""
-    from amp_trainer.recipe_models import load_recipe_batch
+    recipe's built-in defaults), built by
+    :func:`amp_trainer.recipe_support.models.load_recipe_batch`."""
+    from amp_trainer.recipe_support.models import load_recipe_batch
 
     if args.texts or args.data:
         option = "--texts" if args.texts else "--data"

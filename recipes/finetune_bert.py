@@ -31,18 +31,18 @@ from transformers import DataCollatorWithPadding, HfArgumentParser
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.data import (
-    OFFLINE_DATASET,
-    load_text_classification,
-    tokenize_classification,
-)
-from amp_trainer.recipe_config import (
+from amp_trainer.recipe_support.config import (
     RunArguments,
     check_output_dir,
     parse_args_with_config,
     run_entry_point,
 )
-from amp_trainer.recipe_models import (
+from amp_trainer.recipe_support.data import (
+    OFFLINE_DATASET,
+    load_text_classification,
+    tokenize_classification,
+)
+from amp_trainer.recipe_support.models import (
     CLASSIFICATION,
     apply_lora,
     build_classifier,
@@ -51,7 +51,7 @@ from amp_trainer.recipe_models import (
     check_sequence_length,
     classification_tokenizer,
 )
-from amp_trainer.reporting import (
+from amp_trainer.recipe_support.reporting import (
     format_table,
     peak_memory,
     plot_training,

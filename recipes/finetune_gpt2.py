@@ -34,14 +34,14 @@ from transformers import HfArgumentParser, default_data_collator
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.data import OFFLINE_DATASET, load_lm_corpus, tokenize_and_chunk
-from amp_trainer.recipe_config import (
+from amp_trainer.recipe_support.config import (
     RunArguments,
     check_output_dir,
     parse_args_with_config,
     run_entry_point,
 )
-from amp_trainer.recipe_models import (
+from amp_trainer.recipe_support.data import OFFLINE_DATASET, load_lm_corpus, tokenize_and_chunk
+from amp_trainer.recipe_support.models import (
     CAUSAL_LM,
     apply_lora,
     build_causal_lm,
@@ -49,7 +49,7 @@ from amp_trainer.recipe_models import (
     check_model_path,
     check_sequence_length,
 )
-from amp_trainer.reporting import (
+from amp_trainer.recipe_support.reporting import (
     format_table,
     peak_memory,
     plot_training,

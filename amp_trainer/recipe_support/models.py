@@ -5,7 +5,7 @@ Both recipes (``recipes/finetune_bert.py``, ``recipes/finetune_gpt2.py``) and
 model the recipe trains, not a copy that may drift from it:
 
 * ``tiny-bert`` / ``tiny-gpt2``: from scratch, sizes in :data:`TINY_MODEL_CONFIGS`, with a tokenizer
-  trained on the train split (:mod:`amp_trainer.local_tokenizers`);
+  trained on the train split (:mod:`amp_trainer.recipe_support.tokenizers`);
 * :data:`OFFLINE_MINILM`: the pretrained MiniLM-L6 of the ``offline`` extra;
 * anything else: a hub id or local folder for ``from_pretrained`` (classifiers get the data's
   label maps and a fresh head);
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from amp_trainer.data import (
+from amp_trainer.recipe_support.data import (
     OFFLINE_DATASET,
     ClassificationData,
     DataError,
@@ -33,7 +33,10 @@ from amp_trainer.data import (
     tokenize_and_chunk,
     tokenize_classification,
 )
-from amp_trainer.local_tokenizers import train_byte_level_bpe_tokenizer, train_wordpiece_tokenizer
+from amp_trainer.recipe_support.tokenizers import (
+    train_byte_level_bpe_tokenizer,
+    train_wordpiece_tokenizer,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - imported lazily: `transformers` is heavy
     from transformers import PreTrainedTokenizerBase
@@ -305,14 +308,14 @@ class RecipeBatch:
 def _training_argument_names() -> frozenset[str]:
     import dataclasses
 
-    from amp_trainer.recipe_config import RunArguments
+    from amp_trainer.recipe_support.config import RunArguments
     from amp_trainer.training_args import AmpTrainingArguments
 
     names = {
         f.name for cls in (AmpTrainingArguments, RunArguments) for f in dataclasses.fields(cls)
     }
     # One setting, two spellings across transformers 5.x; the recipes' config loader translates
-    # between them (recipe_config._spell_for_installed_transformers), so both are valid here.
+    # between them (config._spell_for_installed_transformers), so both are valid here.
     return frozenset(names | {"group_by_length", "train_sampling_strategy"})
 
 
@@ -392,7 +395,7 @@ def load_recipe_batch(
     if isinstance(config, dict):
         values, source = dict(config), "the config"
     else:
-        from amp_trainer.recipe_config import load_yaml_config
+        from amp_trainer.recipe_support.config import load_yaml_config
 
         values, source = load_yaml_config(config), f"config file {str(config)!r}"
     task = detect_recipe_task(values, source)
