@@ -1,0 +1,357 @@
+"""What both recipes share: their common flags, the start of a run and its end.
+
+Why shared rather than self-contained: the two recipes differ in their data, model and metrics,
+and in nothing else. The end of a run is a contract that tests, ``scripts/bench_recipes.py`` and
+users read (``metrics.json`` and its keys, ``training.png``, ``fp16_export/`` with its parity
+report, the summary table, the ``phase_seconds`` names); with a copy in each recipe, every change
+to that contract had to be made twice, identically. Here it is written once, and each recipe
+keeps only what is its own, top to bottom: config, data, model, trainer, train, finish.
+
+A recipe uses it like this (``recipes/finetune_bert.py`` in full)::
+
+    run = RecipeRun.parse("finetune_bert", argv, ModelArguments, DataArguments, DEFAULT_CONFIG)
+    ...                                         # the recipe's own cheap checks
+    run.start(count_input_tokens="non_padding")  # logging, seed
+    with run.phase("data"):
+        ...
+    train_result, eval_metrics = run.train_evaluate_save(trainer)
+    run.finish(trainer, train_result, model, export_samples=..., results=..., summary=...)
+
+The building blocks a recipe calls (data loading, tokenizers, models, the entry point) are
+re-exported here, so that a recipe imports from ``amp_trainer`` and this module only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import transformers
+from transformers import HfArgumentParser
+
+from amp_trainer import AmpTrainingArguments, export_fp16
+from amp_trainer.atomic_files import write_json_atomic
+from amp_trainer.recipe_support.config import (
+    RunArguments,
+    check_output_dir,
+    parse_args_with_config,
+    run_entry_point,
+)
+from amp_trainer.recipe_support.data import (
+    OFFLINE_DATASET,
+    load_lm_corpus,
+    load_text_classification,
+    tokenize_and_chunk,
+    tokenize_classification,
+)
+from amp_trainer.recipe_support.models import (
+    CAUSAL_LM,
+    CLASSIFICATION,
+    apply_lora,
+    build_causal_lm,
+    build_classifier,
+    causal_lm_tokenizer,
+    check_labels_against_model,
+    check_model_path,
+    check_sequence_length,
+    classification_tokenizer,
+)
+from amp_trainer.recipe_support.reporting import (
+    format_table,
+    peak_memory,
+    plot_training,
+    summarize_loss_scale,
+)
+
+if TYPE_CHECKING:
+    from transformers.trainer_utils import TrainOutput
+
+    from amp_trainer import AmpTrainer
+
+# Its own names, and the building blocks of recipe_support that the recipes call.
+__all__ = [
+    "CAUSAL_LM",
+    "CLASSIFICATION",
+    "RecipeRun",
+    "SharedDataArguments",
+    "SharedModelArguments",
+    "apply_lora",
+    "apply_sample_limits",
+    "build_causal_lm",
+    "build_classifier",
+    "causal_lm_tokenizer",
+    "check_labels_against_model",
+    "check_sequence_length",
+    "classification_tokenizer",
+    "load_lm_corpus",
+    "load_text_classification",
+    "run_entry_point",
+    "tokenize_and_chunk",
+    "tokenize_classification",
+]
+
+
+# The training arguments recorded in metrics.json next to the results they produced.
+_TRAINING_KEYS = (
+    "precision",
+    "learning_rate",
+    "num_train_epochs",
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+    "loss_scale_init",
+    "loss_scale_growth_interval",
+    "loss_scale_hysteresis",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The flags both recipes have (each recipe subclasses these: its defaults, its own flags)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SharedModelArguments:
+    model_name_or_path: str = field(
+        metadata={"help": "A hub id or local folder for from_pretrained."}
+    )
+    tokenizer_vocab_size: int = field(
+        default=2000,
+        metadata={"help": "Vocabulary size of the tokenizer trained for from-scratch models."},
+    )
+    lora: bool = field(
+        default=False,
+        metadata={
+            "help": "Train LoRA adapters on the attention projections (peft), not all weights."
+        },
+    )
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.1, metadata={"help": "Dropout on the LoRA input."})
+
+
+@dataclass
+class SharedDataArguments:
+    dataset_name: str | None = field(
+        default=OFFLINE_DATASET,
+        metadata={
+            "help": f"A hub dataset (its config in --dataset_config_name; configs/*.yaml name "
+            f"some) or '{OFFLINE_DATASET}' (built in, no network). Ignored when --train_file "
+            "is given."
+        },
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config."})
+    train_file: str | None = field(
+        default=None, metadata={"help": "Local csv/json/jsonl (txt too for language modelling)."}
+    )
+    validation_file: str | None = field(
+        default=None,
+        metadata={"help": "Local file; default: the last 10%% of train (LM: 5%%) held out."},
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Use only the first N training examples (LM: blocks)."}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Use only the first N validation examples (LM: blocks)."}
+    )
+
+
+def apply_sample_limits(splits: Any, data_args: SharedDataArguments) -> None:
+    """Keep the first ``--max_train_samples`` / ``--max_eval_samples`` rows of ``splits``."""
+    limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples}
+    for split, limit in limits.items():
+        if limit is not None:
+            splits[split] = splits[split].select(range(min(limit, splits[split].num_rows)))
+
+
+# --------------------------------------------------------------------------------------------
+# One run: its arguments, its phase clock, its start and its end
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RecipeRun:
+    """One recipe run: ``name`` (the recipe, for its logger and summary title), its parsed
+    arguments, and the clock behind ``metrics.json``'s ``phase_seconds``."""
+
+    name: str
+    model_args: Any
+    data_args: Any
+    training_args: AmpTrainingArguments
+    started: float
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    _phase_start: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._phase_start = self.started
+
+    @classmethod
+    def parse(
+        cls,
+        name: str,
+        argv: Sequence[str],
+        model_class: type,
+        data_class: type,
+        default_config: str | os.PathLike[str],
+    ) -> RecipeRun:
+        """Parse the flags (over ``--config FILE``, else ``default_config``) and check the
+        output folder and the model path: a bad value costs seconds, not a built model."""
+        # Read by the CUDA caching allocator when it starts; it cuts fragmentation with mixed
+        # dtypes.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        started = time.perf_counter()
+        parser = HfArgumentParser((model_class, data_class, RunArguments, AmpTrainingArguments))
+        model_args, data_args, run_args, training_args = parse_args_with_config(
+            parser, argv, default_config
+        )
+        check_output_dir(
+            training_args.output_dir,
+            reuse=run_args.reuse_output_dir,
+            resuming=training_args.resume_from_checkpoint is not None,
+        )
+        check_model_path(model_args.model_name_or_path)
+        return cls(name, model_args, data_args, training_args, started)
+
+    def start(self, *, count_input_tokens: str) -> None:
+        """Logging, seed and the precision line. ``count_input_tokens``: how the Trainer counts
+        tokens for the tokens/s figure unless the user chose (``non_padding`` or ``all``)."""
+        args = self.training_args
+        if args.include_num_input_tokens_seen == "no":
+            args.include_num_input_tokens_seen = count_input_tokens
+        logging.basicConfig(
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            datefmt="%H:%M:%S",
+            level=logging.INFO if args.should_log else logging.WARNING,
+        )
+        transformers.utils.logging.set_verbosity(args.get_process_log_level())
+        transformers.set_seed(args.seed)
+        logging.getLogger(self.name).info(
+            "precision=%s device=%s world_size=%d", args.precision, args.device, args.world_size
+        )
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase for ``phase_seconds``. A phase runs from the end of the one before (the
+        first from :meth:`parse`), so the phases add up to the wall time: nothing between two
+        blocks goes uncounted. A phase that raises is not recorded."""
+        yield
+        now = time.perf_counter()
+        self.phase_seconds[name] = round(now - self._phase_start, 2)
+        self._phase_start = now
+
+    def log_model_size(self, model: Any) -> None:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        logging.getLogger(self.name).info("model: %d parameters, %d trainable", total, trainable)
+
+    def train_evaluate_save(self, trainer: AmpTrainer) -> tuple[TrainOutput, dict[str, float]]:
+        """Train (from ``--resume_from_checkpoint`` if given), evaluate, and save the final
+        model (LoRA: the adapter) and the tokenizer: the phases train, evaluate and save."""
+        with self.phase("train"):
+            resume = self.training_args.resume_from_checkpoint
+            train_result = trainer.train(resume_from_checkpoint=resume)
+        with self.phase("evaluate"):
+            eval_metrics = trainer.evaluate()
+        with self.phase("save"):
+            trainer.save_model()
+        return train_result, eval_metrics
+
+    def finish(
+        self,
+        trainer: AmpTrainer,
+        train_result: TrainOutput,
+        model: Any,
+        *,
+        export_samples: list[str],
+        results: dict[str, Any],
+        summary: list[tuple[str, Any]],
+        notes: Sequence[str] = (),
+    ) -> None:
+        """The end of a run, on the main process: ``training.png``, the FP16 export with its
+        parity report, ``metrics.json``, and the summary table on stdout.
+
+        ``model`` is the model the recipe built (a LoRA model is merged for the export);
+        ``export_samples`` are the texts of the parity check; ``results`` are the recipe's own
+        metrics.json entries (after ``train``); ``summary`` its first table rows, ``notes`` lines
+        printed before the table. Other processes only leave the process group.
+        """
+        if not trainer.is_world_process_zero():
+            # Leave the process group before exiting: a rank that just returned while gloo's
+            # threads were alive was seen to abort ("terminate called without an active
+            # exception").
+            trainer.accelerator.end_training()
+            return
+        model_args, args = self.model_args, self.training_args
+        output_dir = Path(args.output_dir)
+        scale = summarize_loss_scale(trainer.scale_history)
+        runtime = train_result.metrics.get("train_runtime") or float("nan")
+        tokens_per_s = trainer.state.num_input_tokens_seen / runtime if runtime else None
+        memory = peak_memory(args.device)
+        with self.phase("plot"):
+            plot = plot_training(
+                trainer.state.log_history,
+                trainer.scale_history,
+                output_dir / "training.png",
+                title=f"{model_args.model_name_or_path} ({args.precision})",
+            )
+        with self.phase("fp16_export"):
+            export_model = model.merge_and_unload() if model_args.lora else trainer.model
+            report = export_fp16(
+                export_model,
+                output_dir / "fp16_export",
+                tokenizer=trainer.processing_class,
+                sample_texts=export_samples,
+                overwrite=True,
+            )
+            write_json_atomic(output_dir / "fp16_export_report.json", report.to_dict())
+        wall = time.perf_counter() - self.started
+        # Where the run's time went (imports and the launcher come before the clock started).
+        phases = dict(self.phase_seconds)
+        phases["evaluations in train and after"] = round(
+            sum(e.get("eval_runtime", 0) for e in trainer.state.log_history), 2
+        )
+        metrics = {
+            "train": train_result.metrics,
+            **results,
+            "loss_scale": None if scale is None else scale.__dict__,
+            "tokens_per_second": tokens_per_s,
+            "memory": memory,
+            "fp16_export_passed": report.passed,
+            "wall_time_s": wall,
+            "phase_seconds": phases,
+            "precision": args.precision,
+            "config": {
+                "model": asdict(model_args),
+                "data": asdict(self.data_args),
+                "training": {k: getattr(args, k) for k in _TRAINING_KEYS},
+            },
+        }
+        write_json_atomic(output_dir / "metrics.json", metrics)
+
+        rows = [
+            *summary,
+            ("precision", args.precision),
+            ("optimizer steps", trainer.state.global_step),
+            ("loss scale final", None if scale is None else scale.final),
+            ("loss scale min", None if scale is None else scale.minimum),
+            ("skipped steps", None if scale is None else scale.skipped),
+            ("tokens/s (train)", tokens_per_s),
+            ("train time s", runtime),
+            ("wall time s", wall),
+            ("peak RSS MiB", memory["peak_rss_mib"]),
+            ("peak CUDA allocated MiB", memory.get("cuda_max_allocated_mib")),
+            ("fp16 export parity", "passed" if report.passed else "FAILED"),
+            ("output", str(output_dir)),
+            ("plot", str(plot) if plot else None),
+        ]
+        for line in notes:
+            print(line)
+        print(format_table(rows, title=f"{self.name}: {model_args.model_name_or_path}"))
+        trainer.accelerator.end_training()
