@@ -35,7 +35,6 @@ __all__ = [
     "RunArguments",
     "UsageError",
     "check_output_dir",
-    "describe_error",
     "load_yaml_config",
     "parse_args_with_config",
     "run_entry_point",

@@ -41,14 +41,11 @@ if TYPE_CHECKING:  # pragma: no cover - imported lazily: `datasets` and `transfo
 
 __all__ = [
     "OFFLINE_DATASET",
-    "OFFLINE_LABELS",
     "ClassificationData",
     "DataError",
     "check_num_labels",
     "load_lm_corpus",
     "load_text_classification",
-    "offline_classification_dataset",
-    "offline_lm_dataset",
     "tokenize_and_chunk",
     "tokenize_classification",
 ]

@@ -45,7 +45,6 @@ __all__ = [
     "CAUSAL_LM",
     "CLASSIFICATION",
     "OFFLINE_MINILM",
-    "RECIPE_KEYS",
     "TINY_MODEL_CONFIGS",
     "RecipeBatch",
     "apply_lora",
@@ -56,7 +55,6 @@ __all__ = [
     "check_model_path",
     "check_sequence_length",
     "classification_tokenizer",
-    "detect_recipe_task",
     "load_recipe_batch",
     "resolve_model_path",
 ]

@@ -24,7 +24,7 @@ from amp_trainer.atomic_files import write_text_atomic
 if TYPE_CHECKING:  # pragma: no cover - imported lazily: `transformers` is heavy
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["cache_dir", "train_byte_level_bpe_tokenizer", "train_wordpiece_tokenizer"]
+__all__ = ["train_byte_level_bpe_tokenizer", "train_wordpiece_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
