@@ -425,6 +425,17 @@ def _seeded(values: dict[str, Any], make: Callable[[], Any]) -> Any:
         return make()
 
 
+def _data_source(values: dict[str, Any]) -> tuple[str, str | None, str | None, str | None]:
+    """Where a recipe config's data comes from, in the loaders' argument order: the dataset name
+    (offline default), its config name, and the train / validation files."""
+    return (
+        _config_value(values, "dataset_name", str, OFFLINE_DATASET),
+        _config_value(values, "dataset_config_name", str, None),
+        _config_value(values, "train_file", str, None),
+        _config_value(values, "validation_file", str, None),
+    )
+
+
 def _classification_batch(
     values: dict[str, Any], name: str, batch_size: int
 ) -> tuple[Any, Any, dict[str, Any]]:
@@ -432,10 +443,7 @@ def _classification_batch(
     from transformers import DataCollatorWithPadding
 
     data = load_text_classification(
-        _config_value(values, "dataset_name", str, OFFLINE_DATASET),
-        _config_value(values, "dataset_config_name", str, None),
-        _config_value(values, "train_file", str, None),
-        _config_value(values, "validation_file", str, None),
+        *_data_source(values),
         _config_value(values, "text_column", str, None),
         _config_value(values, "text_column_2", str, None),
         _config_value(values, "label_column", str, "label"),
@@ -480,10 +488,7 @@ def _causal_lm_batch(
     from transformers import default_data_collator
 
     corpus = load_lm_corpus(
-        _config_value(values, "dataset_name", str, OFFLINE_DATASET),
-        _config_value(values, "dataset_config_name", str, None),
-        _config_value(values, "train_file", str, None),
-        _config_value(values, "validation_file", str, None),
+        *_data_source(values),
         _config_value(values, "text_column", str, "text"),
     )
     vocab_size = _config_value(values, "tokenizer_vocab_size", int, 2000)
