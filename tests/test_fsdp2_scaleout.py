@@ -124,3 +124,32 @@ def test_amp_accelerator_fsdp2_overflow_on_one_rank_is_skipped_and_named_on_both
         assert info["names"] == [[], [], ["classifier.weight"], []]
     full = [params(ranks, "accelerator", r) for r in range(2)]
     assert torch.isfinite(full[0]).all() and torch.equal(full[0], full[1])
+
+
+# -- Accelerate's own FSDP2 path (forced on CPU, see the worker) --------------------------------
+def test_accelerate_fsdp2_path_shards_and_keeps_norms_in_fp32(ranks):
+    for info in check(ranks, "accelerate_fsdp2"):
+        assert info["wrapper"].startswith("FSDP")
+        assert info["param_dtypes"] == ["torch.float32"]  # sharded FP32 masters, FSDP2's own
+        assert info["layer_norm_calls"] == 20  # 5 norms x 4 steps
+        assert info["layer_norm_dtypes"] == ["torch.float32"]  # under its fp16 param policy
+
+
+def test_accelerate_fsdp2_overflow_on_one_rank_is_skipped_named_and_backed_off_on_both(ranks):
+    for info in check(ranks, "accelerate_fsdp2"):
+        assert info["first"] == {
+            "skipped": [False, False, True, False],
+            "scales": [1024.0, 2048.0, 1024.0, 1024.0],
+            "names": [[], [], ["classifier.weight"], []],
+        }
+
+
+def test_accelerate_fsdp2_resume_through_dcp_matches_the_uninterrupted_run(ranks):
+    for info in check(ranks, "accelerate_fsdp2"):
+        # load_state ran DCP's dummy optimizer step through our scaler: no error, no change.
+        assert info["scaler_after_load_equals_saved"] is True
+        assert info["resumed"] == info["rest"]
+        assert info["scaler_final_equal"] is True
+        assert info["params_equal_after_resume"] is True
+    full = [params(ranks, "accelerate_fsdp2", r) for r in range(2)]
+    assert torch.isfinite(full[0]).all() and torch.equal(full[0], full[1])

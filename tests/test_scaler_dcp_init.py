@@ -96,6 +96,9 @@ def test_torch_grad_scaler_counts_the_dummy_step_ours_does_not():
     theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
     ours = DynamicLossScaler("cpu", init_scale=1024.0, growth_interval=1)
     for scaler in (theirs, ours):
+        # Accelerate's FSDP2 load_state calls this right after loading the scaler's state, before
+        # the optimizer's; torch's scaler refuses step() without it (its scale tensor is lazy).
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)

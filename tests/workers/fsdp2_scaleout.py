@@ -15,6 +15,14 @@ Checks:
   dtypes ``layer_norm`` ran with and the storage dtypes of the parameters.
 * ``accelerator``: ``AmpAccelerator.prepare`` on a model the user already ``fully_shard``-ed:
   no DDP wrap, overflow on one rank skipped on both, the parameter named.
+* ``accelerate_fsdp2`` (last: it changes Accelerate's process-wide state): Accelerate's own FSDP2
+  code path (``prepare`` shards with its plugin and its fp16 ``MixedPrecisionPolicy``), forced on
+  CPU: Accelerate 1.15 enables FSDP only on accelerators, so the test sets the state's
+  ``distributed_type`` to FSDP after building the accelerator, as a GPU launch would have. FP32
+  norms, an overflow on one rank, ``save_state`` at step 4, two more steps; then a fresh
+  accelerator, model and optimizer ``load_state`` it (DCP's dummy optimizer step runs through our
+  scaler) and run the same two steps: parameters and scaler state must equal the uninterrupted
+  run's.
 """
 
 from __future__ import annotations
@@ -179,6 +187,93 @@ def accelerator_check(
     return result, full_params(prepared)
 
 
+def forced_fsdp2_accelerator() -> tuple[AmpAccelerator, torch.nn.Module, Any]:
+    """Accelerate's FSDP2 path on CPU: what ``accelerate launch --use_fsdp`` sets up on GPUs."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["BertLayer"],
+        state_dict_type="SHARDED_STATE_DICT",
+        cpu_ram_efficient_loading=False,
+    )
+    accelerator = AmpAccelerator(
+        mixed_precision="fp16",
+        cpu=True,
+        fsdp_plugin=plugin,
+        loss_scaler={"init_scale": 1024.0, "growth_interval": 2},
+    )
+    # What AcceleratorState.__init__ does on accelerators (it keeps PartialState in step too).
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    plugin.set_mixed_precision("fp16")
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+    model = make_tiny_bert(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer
+
+
+def accelerate_steps(accelerator, model, optimizer, steps, rank: int) -> dict[str, list]:
+    scaler = accelerator.loss_scaler
+    out: dict[str, list] = {"skipped": [], "scales": [], "names": []}
+    for step in steps:
+        loss = model(**batch(step, rank)).loss
+        accelerator.backward(loss)
+        if step == 2 and rank == 1:
+            model.get_parameter("classifier.weight").grad.to_local().view(-1)[0] = float("inf")
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        out["skipped"].append(accelerator.optimizer_step_was_skipped)
+        out["scales"].append(scaler.get_scale())
+        out["names"].append(list(scaler.stats.last_overflow_params) if out["skipped"][-1] else [])
+    return out
+
+
+def accelerate_fsdp2_check(rank: int, out_dir: Path) -> tuple[dict[str, Any], torch.Tensor]:
+    accelerator, model, optimizer = forced_fsdp2_accelerator()
+    seen: list[str] = []
+    original = torch.nn.functional.layer_norm
+
+    def recording_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        seen.append(str(input.dtype))
+        return original(input, normalized_shape, weight, bias, eps)
+
+    torch.nn.functional.layer_norm = recording_layer_norm
+    try:
+        first = accelerate_steps(accelerator, model, optimizer, range(4), rank)
+    finally:
+        torch.nn.functional.layer_norm = original
+    checkpoint = out_dir / "accelerate_fsdp2_ckpt"
+    accelerator.save_state(str(checkpoint))
+    saved_scaler = accelerator.loss_scaler.state_dict()
+    rest = accelerate_steps(accelerator, model, optimizer, range(4, 6), rank)
+    uninterrupted = full_params(model)
+
+    resumed, model2, optimizer2 = forced_fsdp2_accelerator()
+    resumed.load_state(str(checkpoint))
+    loaded_scaler = resumed.loss_scaler.state_dict()
+    again = accelerate_steps(resumed, model2, optimizer2, range(4, 6), rank)
+    result = {
+        "wrapper": type(model).__name__,
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "layer_norm_dtypes": sorted(set(seen)),
+        "layer_norm_calls": len(seen),
+        "first": first,
+        "rest": rest,
+        "resumed": again,
+        "scaler_after_load_equals_saved": loaded_scaler == saved_scaler,
+        "scaler_final_equal": resumed.loss_scaler.state_dict()
+        == accelerator.loss_scaler.state_dict(),
+        "params_equal_after_resume": bool(torch.equal(full_params(model2), uninterrupted)),
+    }
+    return result, uninterrupted
+
+
 def run(name: str, check, out_dir: Path, rank: int, results: dict[str, Any]) -> None:
     try:
         info, params = check()
@@ -200,6 +295,7 @@ def main() -> None:
     run("watch_torch", lambda: scaled_loop("torch", rank), out_dir, rank, results)
     run("islands", lambda: islands_check(rank), out_dir, rank, results)
     run("accelerator", lambda: accelerator_check(accelerator, rank), out_dir, rank, results)
+    run("accelerate_fsdp2", lambda: accelerate_fsdp2_check(rank, out_dir), out_dir, rank, results)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     accelerator.end_training()
