@@ -22,6 +22,10 @@ captures the scaler at wrap time) and fix the places where upstream Accelerate i
 * ``save_state``/``load_state`` move checkpoints both ways with stock Accelerate: no empty
   ``scaler.pt`` in bf16/fp32, and checkpoints without one (or with torch's) resume.
 * ``prepare(model)`` calls ``scaler.watch(model)``, so overflows name parameters in plain loops.
+* ``prepare`` on a model the user already sharded (``fully_shard``: DTensor parameters) leaves it
+  to FSDP2 instead of wrapping it in DDP, which fails on DTensors; under Accelerate's own FSDP2
+  (whose ``prepare`` never calls ``prepare_model``) the FP32 islands go on before sharding and the
+  scaler watches the sharded parameters after.
 
 DeepSpeed runs its own loss scaler inside its engine:
 :func:`~amp_trainer.deepspeed.deepspeed_fp16_config` writes our knobs as DeepSpeed's ``"fp16"``
