@@ -170,9 +170,20 @@ class _Fp32Island:
         if holders is None:
             self._refresh()
             holders = self._holders
+        # Plain loops and identity tests, no allocation: this runs on every call (one pass over
+        # a norm's two parameters when nothing changed, the usual case).
+        for holder in holders:
+            for tensor in holder._parameters.values():
+                if tensor is not None and tensor.dtype is not _F32 and tensor.is_floating_point():
+                    return self._sort_out(holders)
+            for tensor in holder._buffers.values():
+                if tensor is not None and tensor.dtype is not _F32 and tensor.is_floating_point():
+                    return self._sort_out(holders)
+        return ()
+
+    def _sort_out(self, holders: list[nn.Module]) -> tuple[tuple[nn.Module, str], ...]:
+        """Something is not FP32: re-cast what the island owns, list what an engine swapped in."""
         borrowed: list[tuple[nn.Module, str]] = []
-        # Plain loops and identity tests: this runs on every call (one pass over a norm's two
-        # parameters when nothing changed, the usual case).
         for holder in holders:
             foreign: list[str] = []
             recast = False
@@ -183,15 +194,10 @@ class _Fp32Island:
                         recast = True
                     else:
                         foreign.append(name)
-            if not recast:
-                for tensor in holder._buffers.values():
-                    if (
-                        tensor is not None
-                        and tensor.dtype is not _F32
-                        and tensor.is_floating_point()
-                    ):
-                        recast = True
-                        break
+            recast = recast or any(
+                t is not None and t.dtype is not _F32 and t.is_floating_point()
+                for t in holder._buffers.values()
+            )
             if recast:
                 self._recast(holder, foreign)
             borrowed.extend((holder, name) for name in foreign)
