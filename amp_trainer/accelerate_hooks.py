@@ -22,6 +22,10 @@ captures the scaler at wrap time) and fix the places where upstream Accelerate i
 * ``save_state``/``load_state`` move checkpoints both ways with stock Accelerate: no empty
   ``scaler.pt`` in bf16/fp32, and checkpoints without one (or with torch's) resume.
 * ``prepare(model)`` calls ``scaler.watch(model)``, so overflows name parameters in plain loops.
+* ``prepare`` on a model the user already sharded (``fully_shard``: DTensor parameters) leaves it
+  to FSDP2 instead of wrapping it in DDP, which fails on DTensors; under Accelerate's own FSDP2
+  (whose ``prepare`` never calls ``prepare_model``) the FP32 islands go on before sharding and the
+  scaler watches the sharded parameters after.
 
 DeepSpeed runs its own loss scaler inside its engine:
 :func:`~amp_trainer.deepspeed.deepspeed_fp16_config` writes our knobs as DeepSpeed's ``"fp16"``
@@ -43,6 +47,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import SCALER_NAME, DistributedType
+from accelerate.utils.other import model_has_dtensor
 
 from amp_trainer.forward_overflow import ForwardOverflow, ForwardOverflowGuard, check_policy
 from amp_trainer.islands import apply_fp32_policy
@@ -274,12 +279,34 @@ class AmpAccelerator(Accelerator):
         device_placement: bool | None = None,
         evaluation_mode: bool = False,
     ) -> torch.nn.Module:
-        # Norm hooks go on before DDP wraps the model. Not under FSDP: its flat/sharded
-        # parameters must not be re-cast behind its back (use its MixedPrecision policy).
-        if (
-            self._amp_precision in ("fp16", "bf16")
-            and self.distributed_type != DistributedType.FSDP
-        ):
+        self._amp_prepare(model)
+        self._watch(model)
+        if not evaluation_mode and self._sharded_by_user(model):
+            # The user ran fully_shard (or another DTensor engine) before prepare(): its hooks
+            # already reduce the gradients, and DDP on top of DTensor parameters fails
+            # (c10d.broadcast_ has no sharding strategy). Autocast and the scaler still apply;
+            # only the data-parallel wrapper is left out.
+            logger.info(
+                "prepare(): %s is already sharded (DTensor parameters, e.g. fully_shard): not "
+                "wrapping it in DistributedDataParallel; its engine reduces the gradients.",
+                type(model).__name__,
+            )
+            evaluation_mode = True
+            device_placement = False
+        return super().prepare_model(
+            model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
+
+    def _amp_prepare(self, model: torch.nn.Module) -> None:
+        """FP32 islands and the forward-overflow guard, before DDP or FSDP2 wraps the model.
+
+        Islands never re-cast parameters a sharding engine swapped in (FSDP2's FP16 unsharded
+        copies under its ``MixedPrecisionPolicy``): they upcast those on the fly (see
+        :func:`~amp_trainer.islands.keep_in_fp32`). Not under FSDP1, whose flat parameters are
+        views this has not been tested with (use its ``MixedPrecision`` policy).
+        """
+        fsdp1 = self.distributed_type == DistributedType.FSDP and not self.is_fsdp2
+        if self._amp_precision in ("fp16", "bf16") and not fsdp1:
             apply_fp32_policy(
                 model, self._amp_precision, norms=self.keep_norms_fp32, modules=self.fp32_modules
             )
@@ -289,10 +316,39 @@ class AmpAccelerator(Accelerator):
             self._forward_overflow = ForwardOverflowGuard(
                 model, scaler, policy=self.on_forward_overflow
             )
-        self._watch(model)
-        return super().prepare_model(
-            model, device_placement=device_placement, evaluation_mode=evaluation_mode
-        )
+
+    def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
+        """As upstream. Under Accelerate's FSDP2 (whose ``prepare`` shards the model without
+        calling :meth:`prepare_model`) the islands and the guard go on before sharding, and the
+        scaler watches the sharded parameters afterwards (FSDP2 replaces the parameter objects;
+        their names stay)."""
+        if not self.is_fsdp2:
+            return super().prepare(*args, device_placement=device_placement)
+        for obj in args:
+            if isinstance(obj, torch.nn.Module):
+                self._amp_prepare(obj)
+        result = super().prepare(*args, device_placement=device_placement)
+        scaler = self.loss_scaler
+        if scaler is not None and scaler.is_enabled():
+            for obj in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(obj, torch.nn.Module):
+                    scaler.watch(self.unwrap_model(obj).named_parameters())
+        return result
+
+    def _sharded_by_user(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` already holds DTensor parameters in a run Accelerate would wrap in
+        DDP (its own FSDP, tensor-parallel, DeepSpeed and XLA paths handle DTensors themselves)."""
+        if self.distributed_type in (
+            DistributedType.NO,
+            DistributedType.FSDP,
+            DistributedType.XLA,
+            *_ENGINE_OWNS_SCALING,
+        ):
+            return False
+        config = getattr(self, "parallelism_config", None)
+        if config is not None and getattr(config, "tp_enabled", False):
+            return False
+        return model_has_dtensor(model)
 
     def check_forward_overflow(
         self, loss: torch.Tensor, batch: Any, model: torch.nn.Module | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -108,6 +109,14 @@ class _Fp32Island:
     region in one ``try`` (autocast is restored when the forward raises) and in one ``with`` block
     under ``torch.compile``, the form dynamo can trace. Forward hooks of the module see what its
     callers pass and get.
+
+    Parameters the island does not own are never re-cast: a sharding engine (FSDP2, whose
+    ``MixedPrecisionPolicy(param_dtype=float16)`` registers FP16 unsharded copies for the
+    forward) swaps its own tensors into the module, and changing their dtype behind its back
+    breaks its gradient reduction. The island knows its own parameters (the objects the module
+    held when it was made; ``.half()`` changes their ``data``, not the objects) and upcasts a
+    swapped-in low-precision one on the fly for the call: the arithmetic is FP32, the storage
+    stays the engine's, and the gradient flows back in the parameter's dtype.
     """
 
     def __init__(self, module: nn.Module, forward: Any, autocast_output: str) -> None:
@@ -127,6 +136,13 @@ class _Fp32Island:
         # the only per-call cost when nothing changed. Module-held lists, so a later
         # module.half() (which replaces param.data, not the parameter) is still seen.
         self._holders = [m for m in self.module.modules() if m._parameters or m._buffers]
+        # Weak references: an engine that replaced a parameter must be able to free the original.
+        self._owned = {
+            (id(holder), name): weakref.ref(param)
+            for holder in self._holders
+            for name, param in holder._parameters.items()
+            if param is not None
+        }
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -144,31 +160,61 @@ class _Fp32Island:
         # The module may not be fully unpickled yet (a reference cycle): gather lazily.
         self._holders = None  # type: ignore[assignment]
 
-    def ensure_fp32(self) -> None:
-        """Re-cast the island's parameters and buffers to FP32 if something cast them since."""
+    def ensure_fp32(self) -> tuple[tuple[nn.Module, str], ...]:
+        """Re-cast the island's own parameters and buffers to FP32 if something cast them since.
+
+        Returns the low-precision parameters it does not own (swapped in by a sharding engine),
+        as ``(module, name)`` pairs: the call upcasts those on the fly instead.
+        """
         holders = self._holders
         if holders is None:
             self._refresh()
             holders = self._holders
-        # Plain loops and identity tests: this runs on every call (one pass over a norm's two
-        # parameters when nothing changed, the usual case).
+        # Plain loops and identity tests, no allocation: this runs on every call (one pass over
+        # a norm's two parameters when nothing changed, the usual case).
         for holder in holders:
             for tensor in holder._parameters.values():
                 if tensor is not None and tensor.dtype is not _F32 and tensor.is_floating_point():
-                    self._recast(holder)
-                    break
+                    return self._sort_out(holders)
             for tensor in holder._buffers.values():
                 if tensor is not None and tensor.dtype is not _F32 and tensor.is_floating_point():
-                    self._recast(holder)
-                    break
+                    return self._sort_out(holders)
+        return ()
 
-    def _recast(self, holder: nn.Module) -> None:
-        outer = _to_fp32_in_place(holder)
+    def _sort_out(self, holders: list[nn.Module]) -> tuple[tuple[nn.Module, str], ...]:
+        """Something is not FP32: re-cast what the island owns, list what an engine swapped in."""
+        borrowed: list[tuple[nn.Module, str]] = []
+        for holder in holders:
+            foreign: list[str] = []
+            recast = False
+            for name, tensor in holder._parameters.items():
+                if tensor is not None and tensor.dtype is not _F32 and tensor.is_floating_point():
+                    ref = self._owned.get((id(holder), name))
+                    if ref is not None and ref() is tensor:
+                        recast = True
+                    else:
+                        foreign.append(name)
+            recast = recast or any(
+                t is not None and t.dtype is not _F32 and t.is_floating_point()
+                for t in holder._buffers.values()
+            )
+            if recast:
+                self._recast(holder, foreign)
+            borrowed.extend((holder, name) for name in foreign)
+        return tuple(borrowed)
+
+    def _recast(self, holder: nn.Module, foreign: list[str]) -> None:
+        outer = _to_fp32_in_place(holder, skip=foreign)
         if outer is not None:
             self.outer_dtype = outer
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.ensure_fp32()
+        borrowed = self.ensure_fp32()
+        if borrowed:
+            return self._call_upcast(borrowed, args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _is_compiling():
             return self._traced(args, kwargs)
         # The common case (one hidden-states tensor) without walking nested containers.
@@ -197,6 +243,23 @@ class _Fp32Island:
             return self._cast_back(self._forward(args, kwargs), input_dtype, True)
         finally:
             _set_autocast_enabled(device_type, True)
+
+    def _call_upcast(
+        self, borrowed: tuple[tuple[nn.Module, str], ...], args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        """One call with the engine-owned parameters seen as FP32 copies (differentiable
+        ``.float()``: the gradient reaches the engine's tensor in its own dtype), put back after.
+
+        Written into ``_parameters`` directly, as the engines themselves do (``nn.Module``'s
+        ``__setattr__`` accepts only ``nn.Parameter`` there)."""
+        saved = [(holder, name, holder._parameters[name]) for holder, name in borrowed]
+        try:
+            for holder, name, tensor in saved:
+                holder._parameters[name] = tensor.float()  # type: ignore[union-attr]
+            return self._call(args, kwargs)
+        finally:
+            for holder, name, tensor in saved:
+                holder._parameters[name] = tensor
 
     def _traced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The same region as one ``with`` block: what dynamo traces (it cannot trace
@@ -323,12 +386,13 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _to_fp32_in_place(module: nn.Module) -> torch.dtype | None:
+def _to_fp32_in_place(module: nn.Module, skip: Iterable[str] = ()) -> torch.dtype | None:
     """Cast ``module``'s own floating parameters and buffers to FP32, keeping their identity.
 
     ``param.data = ...`` is what ``module.half()`` itself does, so an optimizer that already holds
-    the parameter keeps updating the same object. Returns the dtype they had been cast to, or
-    ``None`` if nothing changed.
+    the parameter keeps updating the same object. Parameters named in ``skip`` (a sharding
+    engine's, see :class:`_Fp32Island`) are left alone. Returns the dtype they had been cast to,
+    or ``None`` if nothing changed.
     """
     # Fast path: nothing to do once the module is FP32 (the usual case).
     if all(
@@ -338,7 +402,10 @@ def _to_fp32_in_place(module: nn.Module) -> torch.dtype | None:
         return None
     was: torch.dtype | None = None
     with torch.no_grad():
-        for param in module.parameters(recurse=False):
+        skipped = set(skip)
+        for name, param in module.named_parameters(recurse=False):
+            if name in skipped:
+                continue
             if param.is_floating_point() and param.dtype != torch.float32:
                 was = param.dtype
                 param.data = param.data.float()
@@ -491,6 +558,7 @@ def _make_islands(
         island = _island_of(module)
         if island is not None:
             island.outer_dtype = outer or island.outer_dtype
+            island._refresh()  # the parameters the module holds now are the island's own
             if autocast_output == "fp32":
                 island.autocast_output = "fp32"  # an overflow fix outranks the norm policy
             continue

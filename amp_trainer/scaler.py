@@ -21,7 +21,10 @@ every state the scaler writes loads back into a scaler built with the same argum
 
 What the scaler refuses, loudly, where torch would silently do the wrong thing: unscaling
 gradients when no :meth:`scale` call happened since the optimizer's last step (a plain
-``loss.backward()``: the update would be S times too small), and pickling mid-iteration.
+``loss.backward()``: the update would be S times too small; all-zero gradients excepted, which
+are the same scaled or not: ``torch.distributed.checkpoint`` steps once on them to create the
+optimizer state, and that step passes through without touching the scaler's state), and pickling
+mid-iteration.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ import torch
 from torch import nn
 
 from amp_trainer.numerics import describe_names
+
+try:  # a sharding engine's gradients (FSDP2, tensor parallel) are DTensors
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support
+    DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = ["DynamicLossScaler", "LossScaleError", "ScalerStats"]
 
@@ -298,7 +306,8 @@ class DynamicLossScaler:
     def _fresh_optimizer_state() -> dict[str, Any]:
         # A staticmethod rather than a lambda: lambdas don't pickle, and neither would the scaler.
         # "counted": whether an update() has already acted on this verdict (see update()).
-        return {"stage": _Stage.READY, "found_inf": None, "counted": False}
+        # "passthrough": the step DCP runs on all-zero, never-scaled gradients (see unscale_()).
+        return {"stage": _Stage.READY, "found_inf": None, "counted": False, "passthrough": False}
 
     # ----------------------------------------------------------------------------------------
     # torch.amp.GradScaler-compatible accessors
@@ -368,6 +377,12 @@ class DynamicLossScaler:
 
         Costs nothing on clean steps: the per-parameter finiteness check runs only on steps whose
         fused check already found an inf/NaN. Returns ``self`` so it chains off the constructor.
+
+        Sharded gradients (FSDP2's DTensors) are checked where they live: each rank looks at its
+        own local shards only (no full gradient is gathered). Under ``torch.distributed`` with more
+        than one rank, the names found are then gathered (``all_gather_object`` over the scaler's
+        ``process_group``, on overflow steps only), so every rank reports the same list in
+        :attr:`stats` and in errors, whichever rank's shard held the inf.
         """
         if isinstance(model_or_named_parameters, nn.Module):
             named = model_or_named_parameters.named_parameters()
@@ -392,13 +407,25 @@ class DynamicLossScaler:
         assert grad is not None
         return grad._values() if grad.is_sparse else grad
 
+    @staticmethod
+    def _local_values(values: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a gradient: a DTensor's local shard, else the tensor itself."""
+        if DTensor is not None and isinstance(values, DTensor):
+            return values.to_local()
+        return values
+
     def _non_finite_params(self, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
-        """Names of the parameters whose gradients hold inf/NaN (overflow steps only)."""
+        """Names of the parameters whose gradients hold inf/NaN (overflow steps only).
+
+        Only this rank's values are read (a DTensor's local shard), so under a sharding engine
+        each rank names what its own shards hold; :meth:`_attribute` merges the ranks' answers.
+        """
         located: list[tuple[torch.Tensor, str]] = []
         for g, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
                 if param.grad is not None:
-                    located.append((self._grad_values(param), self._label(param, g, i)))
+                    values = self._local_values(self._grad_values(param))
+                    located.append((values, self._label(param, g, i)))
         if not located:
             return ()
         # One stacked check and one read-back per device, not one sync per tensor.
@@ -460,6 +487,10 @@ class DynamicLossScaler:
         devices are summed on one device, all-reduced (MAX) across ranks when distributed, and read
         back once: the only device-to-host sync of the step. Call it once per optimizer per step,
         before clipping or inspecting gradients; :meth:`step` calls it if you did not.
+
+        Gradients no :meth:`scale` call produced are refused, unless every one is exactly zero
+        (``torch.distributed.checkpoint``'s optimizer-state initialisation): that step passes
+        through, and :meth:`update` leaves the scale and every counter as they were.
         """
         if not self._enabled:
             return
@@ -494,7 +525,10 @@ class DynamicLossScaler:
                         param.grad = param.grad.coalesce()
                     values = self._grad_values(param)
                     groups[values.device][values.dtype].append(values)
-            if groups and self._scale_calls == self._scale_calls_at_unscale.get(id(optimizer), 0):
+            never_scaled = bool(groups) and self._scale_calls == self._scale_calls_at_unscale.get(
+                id(optimizer), 0
+            )
+            if never_scaled and not self._all_zero(groups):
                 self._raise_unscaled_gradients(optimizer)
             if half_grads:
                 raise ValueError(
@@ -506,6 +540,14 @@ class DynamicLossScaler:
                     "models without dtype=torch.float16 for training."
                 )
 
+            if never_scaled:
+                # All-zero gradients no scale() produced: torch.distributed.checkpoint's
+                # _init_optim_state (Accelerate's FSDP2 load_state) steps once with zero grads
+                # and lr 0 to create the optimizer state. Zero is the same scaled or not, so the
+                # step runs as asked; it is no training step, so update() will not count it and
+                # no rank joins a collective for it (every rank runs the same dummy step).
+                state.update(found_inf=False, stage=_Stage.UNSCALED, passthrough=True)
+                return
             found: list[torch.Tensor] = []
             for device, per_dtype in groups.items():
                 found_inf = torch.zeros((), dtype=torch.float32, device=device)
@@ -518,9 +560,51 @@ class DynamicLossScaler:
         state["found_inf"] = overflow
         state["stage"] = _Stage.UNSCALED
         self._scale_calls_at_unscale[id(optimizer)] = self._scale_calls
-        if overflow and (self._param_names or self._at_min_scale()):
+        distributed = self._distributed()
+        if overflow and (self._param_names or self._at_min_scale() or distributed):
             # Attribution runs only here, on overflow steps: clean steps pay nothing for it.
-            self._last_overflow_params = self._non_finite_params(optimizer)
+            # Distributed, every rank attributes (the verdict is the all-reduced one, so all of
+            # them get here together) and joins the gather of the names.
+            self._last_overflow_params = self._attribute(optimizer, distributed)
+
+    def _attribute(self, optimizer: torch.optim.Optimizer, distributed: bool) -> tuple[str, ...]:
+        """The non-finite parameters of every rank, the same tuple on each, in model order.
+
+        Each rank can only see its own gradient shards (or, without sharding, its own
+        gradients before they were reduced), so the per-rank answers are gathered; the union is
+        ordered as this rank's optimizer lists the parameters (names only another rank holds,
+        e.g. under pipeline parallelism, come last, in rank order).
+        """
+        local = self._non_finite_params(optimizer)
+        if not distributed:
+            return local
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(gathered, list(local), group=self.process_group)
+        merged = list(dict.fromkeys(name for names in gathered for name in names))
+        order = {
+            self._label(param, g, i): n
+            for n, (g, i, param) in enumerate(
+                (g, i, p)
+                for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])
+            )
+        }
+        rank_order = {name: n for n, name in enumerate(merged)}
+        return tuple(
+            sorted(merged, key=lambda name: (order.get(name, len(order)), rank_order[name]))
+        )
+
+    def _all_zero(self, groups: Mapping[Any, Mapping[Any, list[torch.Tensor]]]) -> bool:
+        """Whether every gradient is exactly zero (this rank's shards). Reached only when no
+        scale() call preceded the gradients, so the syncs here never touch a training step."""
+        return not any(
+            bool(self._local_values(grad).any())
+            for per_dtype in groups.values()
+            for grads in per_dtype.values()
+            for grad in grads
+        )
 
     def _raise_unscaled_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """The gradients came from a backward that bypassed :meth:`scale`: refuse to divide them.
@@ -622,6 +706,8 @@ class DynamicLossScaler:
         if not state["found_inf"]:
             result = optimizer.step(*args, **kwargs)
         state["stage"] = _Stage.STEPPED
+        if state["passthrough"]:
+            return result  # DCP's dummy step: no training step, nothing to report
         # With several optimizers, "skipped" means any of them skipped in this iteration.
         self._step_was_skipped = any(
             s["found_inf"] for s in self._per_optimizer.values() if s["stage"] is _Stage.STEPPED
@@ -667,6 +753,14 @@ class DynamicLossScaler:
             return
 
         states = self._per_optimizer
+        dummies = [key for key, s in states.items() if s["passthrough"]]
+        for key in dummies:
+            del states[key]
+        if dummies and not any(s["found_inf"] is not None for s in states.values()):
+            # Only torch.distributed.checkpoint's zero-gradient step (see unscale_()) ran since
+            # the last update(): no training step happened, so the scale policy has nothing to
+            # act on. torch's GradScaler counts it as a clean step (accelerate#4289).
+            return
         if not any(s["found_inf"] is not None for s in states.values()):
             raise RuntimeError(
                 "update() found no inf checks recorded since the last update(): call "

@@ -157,6 +157,11 @@ class _LossScaleMonitor(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._skips_in_a_row = 0
+        trainer = self._trainer
+        if trainer.loss_scaler is not None and trainer.model is not None:
+            # Sharding in train()'s prepare (Accelerate's FSDP2) replaced the parameter objects
+            # the scaler watched; their names stay, so watching again keeps overflows named.
+            trainer.loss_scaler.watch(trainer.model)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         scaler = self._trainer.loss_scaler
@@ -392,11 +397,51 @@ class AmpTrainerMixin(Trainer):
         done = self._checkpoints.finished_run(checkpoint, load=self._load_from_checkpoint)
         if done is not None:
             return done
+        self._forget_evaluation_prepare()
         return super().train(
             resume_from_checkpoint=checkpoint,
             trial=trial,
             ignore_keys_for_eval=ignore_keys_for_eval,
             **kwargs,
+        )
+
+    def _forget_evaluation_prepare(self) -> None:
+        """Let ``train()`` wrap a model that ``evaluate()`` prepared first (DDP, several ranks).
+
+        Stock Trainer's evaluation prepares the bare model with ``evaluation_mode=True`` (no DDP:
+        evaluation needs no gradient reduction), and Accelerate marks it prepared; the
+        ``prepare`` inside ``train()`` then returns it unwrapped, so every rank trains its own
+        replica on its own data while the loss-scale histories still agree (the found-inf flag
+        is all-reduced) and hide it. Here that evaluation-only preparation is undone before
+        training: the model leaves the accelerator's list, loses the mark and gets its forward
+        back (Accelerate's autocast wrapper would otherwise be applied twice).
+        Under DeepSpeed/FSDP evaluation already runs the full prepare: nothing to undo.
+        """
+        from accelerate.utils import DistributedType  # accelerate is imported by Trainer
+
+        model, accelerator = self.model, self.accelerator
+        if (
+            model is None
+            or accelerator.distributed_type == DistributedType.NO
+            or self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or self.model_wrapped is not model
+            or not getattr(model, "_is_accelerate_prepared", False)
+            or not any(m is model for m in accelerator._models)
+        ):
+            return
+        accelerator._models[:] = [m for m in accelerator._models if m is not model]
+        del model._is_accelerate_prepared
+        original = model.__dict__.pop("_original_forward", None)
+        if original is not None:
+            if getattr(original, "__self__", None) is model and getattr(
+                original, "__func__", None
+            ) is getattr(type(model), "forward", None):
+                model.__dict__.pop("forward", None)  # the class's own forward again
+            else:
+                model.forward = original
+        logger.debug(
+            "Undid the evaluation-only prepare of %s before training", type(model).__name__
         )
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
