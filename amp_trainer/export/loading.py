@@ -100,9 +100,14 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
                     f"{path}: config lists {name!r} as kept in FP32, but the model has no such "
                     "module; was the folder written by a different model class?"
                 )
-            modules[name].float()
-        # Taken after .float(): it replaced the tensors, and the FP32 values go into the new ones
-        # (a weight above 65504 is inf in the FP16 copy from_pretrained made).
+            # FP16 first, whatever from_pretrained left FP32: an island learns the dtype of
+            # the model around it from the cast it undoes, and hands that dtype to the layers
+            # after it when it is fed only integer ids (a guarded backbone before an FP16 head).
+            # Cast to FP32 beforehand, it would learn nothing and hand FP32 to the FP16 head.
+            modules[name].to(torch.float16)
+        reinstate_fp32_islands(model, norms, guarded)
+        # The FP32 values from the file, into the islands' FP32 tensors (a weight above 65504
+        # is inf in the FP16 copy from_pretrained made). Taken after the islands replaced them.
         state = model.state_dict()
         prefixes = tuple(name + "." for name in kept)
         with torch.no_grad():
@@ -111,7 +116,6 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
                     for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
                         if key.startswith(prefixes) and key in state:
                             state[key].copy_(handle.get_tensor(key).to(torch.float32))
-        reinstate_fp32_islands(model, norms, guarded)
     return model.eval()
 
 
