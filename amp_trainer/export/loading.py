@@ -70,6 +70,28 @@ def load_tokenizer(path_or_id: str | os.PathLike[str]) -> Any | None:
         return None
 
 
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def load_processor(path_or_id: str | os.PathLike[str]) -> Any | None:
+    """The image processor / feature extractor / processor saved with the model, else ``None``.
+
+    Only a folder holding a processor config is read (a text model's folder would give back
+    its tokenizer); a hub id is tried and ``None`` when it has none. The sample batch then
+    comes from the config's shapes instead.
+    """
+    from transformers import AutoProcessor
+
+    local = Path(path_or_id)
+    if local.exists() and not any((local / name).is_file() for name in _PROCESSOR_FILES):
+        return None
+    try:
+        return AutoProcessor.from_pretrained(path_or_id)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        logger.info("No processor at %s (%s); sample inputs follow the config.", path_or_id, err)
+        return None
+
+
 def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = None) -> nn.Module:
     """Reload an :func:`export_fp16` folder exactly as it was measured.
 
@@ -85,6 +107,9 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
         model = load_model(path, dtype=torch.float16)
     else:
         model = model_class.from_pretrained(path, dtype=torch.float16)
+    # Everything FP16 first, as the export measured it: from_pretrained keeps a class's
+    # _keep_in_fp32_modules FP32, which the export halved unless it kept them (listed below).
+    model.half()
     info = getattr(model.config, CONFIG_KEY, None) or {}
     norms = list(info.get("fp32_modules", []))
     guarded = [
