@@ -58,24 +58,24 @@ def capture_errors(fmt: str, wrapper: OutputOnly) -> Iterator[None]:
     try:
         yield
     except RuntimeError as err:
-        # The ONNX exporter wraps torch.export's error: the innermost one says why.
-        inner: BaseException = err
-        while isinstance(inner.__cause__, RuntimeError):
-            inner = inner.__cause__
-        texts = [_ANSI.sub("", str(e)).strip() for e in (inner, err)]
-        reason = texts[0].splitlines()[0] if texts[0] else type(inner).__name__
+        # The ONNX exporter wraps torch.export's error (or the decomposition's ValueError): the
+        # innermost one says why.
+        chain: list[BaseException] = [err]
+        while chain[-1].__cause__ is not None and len(chain) < 8:
+            chain.append(chain[-1].__cause__)
+        texts = [_ANSI.sub("", str(e)).strip() for e in reversed(chain)]
+        reason = texts[0].splitlines()[0] if texts[0] else type(chain[-1]).__name__
         if "data-dependent" in reason:
             reason = f"the model's code branches on tensor values there ({reason})"
-        # torch.export names the model line it stopped at after "raised this error".
-        where = next(
-            (
-                _WHERE.search(text.split("raised this error", 1)[1])
-                for text in texts
-                if "raised this error" in text
-            ),
-            None,
-        )
-        at = f" at {Path(where.group(1)).name}:{where.group(2)}" if where else ""
+        # The model line it stopped at: the innermost frame torch names after "raised this
+        # error" (torch.export) or "Original traceback:" (the ONNX decomposition).
+        where = None
+        for text in texts:
+            for marker in ("raised this error", "Original traceback:"):
+                if marker in text:
+                    frames = _WHERE.findall(text.split(marker, 1)[1])
+                    where = where or (frames[-1] if frames else None)
+        at = f" at {Path(where[0]).name}:{where[1]}" if where else ""
         model = type(wrapper.model).__name__
         raise CaptureError(f"{fmt}: cannot capture {model}{at}: {reason}") from err
 
