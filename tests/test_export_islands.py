@@ -142,7 +142,8 @@ def test_phi3_whose_guard_widened_to_the_backbone_reloads_and_runs(tmp_path):
 
 
 def test_phi3_trained_by_amptrainer_with_an_overflow_island_exports_reloads_and_runs(tmp_path):
-    from test_trainer_support import ToyLanguageModeling, amp_args
+    from conftest import tiny_training_args
+    from test_trainer_support import ToyLanguageModeling
 
     from amp_trainer import AmpTrainer
 
@@ -150,7 +151,7 @@ def test_phi3_trained_by_amptrainer_with_an_overflow_island_exports_reloads_and_
     culprit = "model.layers.0.mlp.down_proj"
     trainer = AmpTrainer(
         model=model,
-        args=amp_args(tmp_path / "run", max_steps=1, learning_rate=0.0),
+        args=tiny_training_args(tmp_path / "run", max_steps=1, learning_rate=0.0),
         train_dataset=ToyLanguageModeling(n=4),
     )
     trainer.train()
