@@ -21,6 +21,7 @@ from amp_trainer.export import (
 
 
 def tiny_t5(**overrides):
+    torch.manual_seed(0)
     config = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     config.update(pad_token_id=0, decoder_start_token_id=0)  # as t5-small's config.json has it
     config.update(overrides)
@@ -28,6 +29,7 @@ def tiny_t5(**overrides):
 
 
 def tiny_bart():
+    torch.manual_seed(0)
     config = tf.BartConfig(
         vocab_size=128,
         d_model=32,
@@ -43,6 +45,7 @@ def tiny_bart():
 
 
 def tiny_whisper():
+    torch.manual_seed(0)
     config = tf.WhisperConfig(
         vocab_size=128,
         d_model=32,
@@ -64,6 +67,7 @@ def tiny_whisper():
 
 
 def tiny_vit():
+    torch.manual_seed(0)
     config = tf.ViTConfig(
         hidden_size=32,
         num_hidden_layers=2,
@@ -77,6 +81,7 @@ def tiny_vit():
 
 
 def tiny_llama():
+    torch.manual_seed(0)
     config = tf.LlamaConfig(
         vocab_size=128,
         hidden_size=32,
