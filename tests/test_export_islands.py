@@ -161,3 +161,34 @@ def test_phi3_trained_by_amptrainer_with_an_overflow_island_exports_reloads_and_
     assert report.passed and report.written, report.to_markdown()
     assert culprit in report.fp32_islands and report.overflow_guarded_modules == ["model"]
     assert_reload_runs_like_the_report(tmp_path / "out", model, report)
+
+
+def test_t5_whose_ffn_output_overflows_exports_reloads_and_runs(tmp_path):
+    """T5's classic FP16 failure: the FFN's ``wo`` output passes 65504. T5 casts wo's input to
+    wo's weight dtype, so a wo island gets FP32 and hands FP32 on (the guard widens it); the
+    widened encoder shares its embedding with the decoder and the head, and the decoder's tied
+    embedding, fed only ids, must still hand FP16 to the FP16 decoder."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        pad_token_id=0, decoder_start_token_id=0,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.encoder.block[0].layer[1].DenseReluDense.wo.weight.mul_(1e7)
+    report = export_fp16(model, tmp_path / "out")
+    assert report.passed and report.written, report.to_markdown()
+    assert report.overflow_guarded_modules == ["encoder"]
+    assert {"shared", "decoder.embed_tokens", "lm_head"} <= set(report.fp32_islands)
+
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    decoder_ids = torch.cat([torch.zeros(2, 1, dtype=torch.long), ids[:, :4]], dim=1)
+    with torch.no_grad():
+        reference = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
+        logits = load_fp16_export(tmp_path / "out")(
+            input_ids=ids, decoder_input_ids=decoder_ids
+        ).logits
+    assert logits.dtype == torch.float16 and torch.isfinite(logits).all()
+    assert (logits.float() - reference).abs().max() / reference.abs().max() < 2e-2
