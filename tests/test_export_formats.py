@@ -97,3 +97,24 @@ def test_torchscript_is_not_touched_unless_asked_for(tmp_path, monkeypatch):
     assert report.passed and not any("TorchScript" in note for note in report.notes)
     with pytest.raises(AssertionError, match=r"torch\.jit used"):
         export_fp16(tiny_llama(), tmp_path / "ts", formats=("torchscript",))
+
+
+def test_the_cli_offers_every_format_and_marks_torchscript_deprecated(capsys):
+    from amp_trainer.cli import build_parser, main
+
+    for fmt in FORMATS:  # the CLI's choices are export.FORMATS (written out: no torch import)
+        argv = ["export", "--model", "m", "--output", "o", "--format", fmt]
+        assert build_parser().parse_args(argv).formats == [fmt]
+    assert main(["export", "--help"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "pt2 (torch.export)" in shown and "torchscript (deprecated by PyTorch: use pt2)" in shown
+
+
+def test_the_cli_writes_a_pt2_export(tmp_path, capsys):
+    from amp_trainer.cli import main
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    argv = ["export", "--model", str(tmp_path / "llama"), "--output", str(tmp_path / "out")]
+    assert main([*argv, "--format", "pt2"]) == 0
+    assert (tmp_path / "out" / "model.pt2").is_file()
+    assert "| pt2 |" in capsys.readouterr().out
