@@ -247,7 +247,7 @@ def _raw_audio_batch(
     strides = _config_value(config, "conv_stride")
     if kernels and strides and len(kernels) == len(strides):
         # The receptive field of the convolutional front end, plus _AUDIO_FRAMES - 1 hops.
-        field, hop = 1, 1
+        field = 1
         for kernel, stride in zip(reversed(kernels), reversed(strides), strict=True):
             field = (field - 1) * int(stride) + int(kernel)
         hop = math.prod(int(s) for s in strides)
