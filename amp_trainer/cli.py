@@ -43,7 +43,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 _EPILOG = """\
 examples:
   amp-trainer export --model runs/bert-sst2 --output runs/bert-sst2-fp16
-  amp-trainer export --model runs/gpt2 --output out/gpt2-fp16 --format torchscript onnx \\
+  amp-trainer export --model runs/gpt2 --output out/gpt2-fp16 --format pt2 onnx \\
       --texts "Hello there" "FP16 has a range of 65504"
   amp-trainer doctor --model runs/bert-sst2 --texts "a great film" "a dull film" --lr 5e-5
   amp-trainer doctor --model runs/gpt2 --data samples.txt --steps 8 --json diagnosis.json
@@ -131,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--format",
         nargs="+",
         default=[],
-        choices=["safetensors", "torchscript", "onnx"],
+        choices=["safetensors", "pt2", "onnx", "torchscript"],  # export.FORMATS, not imported
         dest="formats",
-        help="extra formats (safetensors is always written); onnx needs amp-trainer[export]",
+        help="extra formats (safetensors is always written): pt2 (torch.export), onnx (needs "
+        "amp-trainer[export]), torchscript (deprecated by PyTorch: use pt2)",
     )
     export.add_argument("--max-abs-error", type=_number(0.0, float("inf")), help="off unless given")
     export.add_argument(

@@ -551,10 +551,16 @@ def _make_islands(
                 )
                 covered.append(name)
                 queue.append(name)
+    # The dtype each island's subtree was cast to, before any is made FP32. Modules that share a
+    # parameter are cast once: the first one in the loop sees the FP16 it had, the others see it
+    # FP32 already, so they take the dtype the others saw (an embedding tied to an island, fed
+    # only ids, must still hand FP16 to the FP16 layers after it).
+    outers = {name: _subtree_to_fp32(modules[name]) for name in covered}
+    seen = next((dtype for dtype in outers.values() if dtype is not None), None)
     added = 0
     for name in covered:
         module = modules[name]
-        outer = _subtree_to_fp32(module)
+        outer = outers[name] or seen
         island = _island_of(module)
         if island is not None:
             island.outer_dtype = outer or island.outer_dtype

@@ -89,3 +89,106 @@ def test_a_model_trained_by_amptrainer_exports_with_the_island_training_added(tm
     assert culprit in report.fp32_islands
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as handle:
         assert handle.get_tensor(f"{culprit}.weight").dtype == torch.float32
+
+
+def tiny_phi3(seed: int = 0):
+    """A 2-layer, 32-wide Phi3 causal LM: pre-norm blocks, untied FP16 head."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Phi3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Phi3ForCausalLM(config)
+
+
+def boost_phi3_block0(model, factor: float = 1e8):
+    """Block 0's MLP output past 65504 (finite in FP32). Phi3's blocks are pre-norm: the residual
+    stream carries it to the final norm, so only the whole backbone brings it back into range."""
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(factor)
+    return model
+
+
+def assert_reload_runs_like_the_report(out, model, report):
+    ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        reference = model.eval()(input_ids=ids).logits
+    reloaded = load_fp16_export(out)
+    assert is_fp32_island(reloaded.model)
+    assert reloaded.lm_head.weight.dtype == torch.float16  # the head stays FP16
+    with torch.no_grad():
+        logits = reloaded(input_ids=ids).logits  # raised "float != c10::Half" before the fix
+    assert logits.dtype == torch.float16 and torch.isfinite(logits).all()
+    relative = (logits.float() - reference).abs().max() / reference.abs().max()
+    assert relative < 2e-2, (relative, report.to_markdown())
+
+
+def test_phi3_whose_guard_widened_to_the_backbone_reloads_and_runs(tmp_path):
+    model = boost_phi3_block0(tiny_phi3())
+    report = export_fp16(model, tmp_path / "out")
+    assert report.passed and report.written, report.to_markdown()
+    assert report.overflow_guarded_modules == ["model"]  # widened from block 0's MLP
+    assert_reload_runs_like_the_report(tmp_path / "out", model, report)
+
+
+def test_phi3_trained_by_amptrainer_with_an_overflow_island_exports_reloads_and_runs(tmp_path):
+    from conftest import tiny_training_args
+    from test_trainer_support import ToyLanguageModeling
+
+    from amp_trainer import AmpTrainer
+
+    model = boost_phi3_block0(tiny_phi3())
+    culprit = "model.layers.0.mlp.down_proj"
+    trainer = AmpTrainer(
+        model=model,
+        args=tiny_training_args(tmp_path / "run", max_steps=1, learning_rate=0.0),
+        train_dataset=ToyLanguageModeling(n=4),
+    )
+    trainer.train()
+    assert is_fp32_island(model.get_submodule(culprit))  # the forward-overflow fallback added it
+
+    report = export_fp16(model, tmp_path / "out")
+    assert report.passed and report.written, report.to_markdown()
+    assert culprit in report.fp32_islands and report.overflow_guarded_modules == ["model"]
+    assert_reload_runs_like_the_report(tmp_path / "out", model, report)
+
+
+def test_t5_whose_ffn_output_overflows_exports_reloads_and_runs(tmp_path):
+    """T5's classic FP16 failure: the FFN's ``wo`` output passes 65504. T5 casts wo's input to
+    wo's weight dtype, so a wo island gets FP32 and hands FP32 on (the guard widens it); the
+    widened encoder shares its embedding with the decoder and the head, and the decoder's tied
+    embedding, fed only ids, must still hand FP16 to the FP16 decoder."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        pad_token_id=0, decoder_start_token_id=0,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.encoder.block[0].layer[1].DenseReluDense.wo.weight.mul_(1e7)
+    report = export_fp16(model, tmp_path / "out")
+    assert report.passed and report.written, report.to_markdown()
+    assert report.overflow_guarded_modules == ["encoder"]
+    assert {"shared", "decoder.embed_tokens", "lm_head"} <= set(report.fp32_islands)
+
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    decoder_ids = torch.cat([torch.zeros(2, 1, dtype=torch.long), ids[:, :4]], dim=1)
+    with torch.no_grad():
+        reference = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
+        logits = load_fp16_export(tmp_path / "out")(
+            input_ids=ids, decoder_input_ids=decoder_ids
+        ).logits
+    assert logits.dtype == torch.float16 and torch.isfinite(logits).all()
+    assert (logits.float() - reference).abs().max() / reference.abs().max() < 2e-2

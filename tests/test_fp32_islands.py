@@ -185,3 +185,16 @@ def test_transformers_declared_fp32_modules_follow_from_pretrained_rules():
     names = apply_fp32_policy(model, "fp16")
     assert names == [n for n, _ in model.named_modules() if n.endswith(".wo")]
     assert apply_fp32_policy(model, "fp32") == []
+
+
+def test_a_tied_module_fed_only_ids_hands_back_the_dtype_of_the_halved_model():
+    """Tied modules share one parameter, cast to FP32 once: the module cast second must still
+    learn that the model around it is FP16 (GPT-2's wte made an island through lm_head, T5's
+    decoder embedding through a guarded encoder), or it hands FP32 to the FP16 layers after it."""
+    model = make_tiny_gpt2().half()
+    keep_in_fp32(model, "lm_head")  # wte shares lm_head's weight: an island too
+    wte = model.transformer.wte
+    assert is_fp32_island(wte) and wte.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert wte(torch.tensor([[1, 2, 3]])).dtype == torch.float16
+        assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.float16

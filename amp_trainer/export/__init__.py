@@ -1,4 +1,5 @@
-"""FP16 inference export with a parity report: safetensors, optionally TorchScript and ONNX.
+"""FP16 inference export with a parity report: safetensors, optionally torch.export, ONNX and
+TorchScript.
 
 An FP16 export is only worth shipping if it computes what the FP32 model computes. So
 :func:`export_fp16` does not just call ``model.half()``:
@@ -11,8 +12,10 @@ An FP16 export is only worth shipping if it computes what the FP32 model compute
    module run in FP32, outputs cast back to FP16). If the island's own output still does not fit
    FP16, the island grows to the enclosing module (a residual block ending in a LayerNorm usually
    brings values back into range). Bounded; every guarded module is named in the report;
-3. the FP16 model (and every extra format) is compared with the FP32 model on the same inputs:
-   max/mean absolute and relative error of the logits, top-1 agreement, non-finite count;
+3. the FP16 model (and every extra format) is compared with the FP32 model on the same inputs
+   (built from what the model declares: token ids, pixels, speech features, decoder inputs for
+   an encoder-decoder; see :mod:`~amp_trainer.export.sample_inputs`): max/mean absolute and
+   relative error of the logits, top-1 agreement, non-finite count;
 4. nothing is written unless the parity thresholds pass (or ``force=True``): everything goes to a
    temporary folder next to the target, renamed into place at the end.
 
@@ -31,12 +34,14 @@ Example::
 This package holds :func:`export_fp16` (the flow above, top to bottom) and :class:`ExportReport`;
 each step lives in its own module:
 
-- :mod:`~amp_trainer.export.loading`: the source model with its head, its tokenizer, and
-  :func:`load_fp16_export`;
-- :mod:`~amp_trainer.export.sample_inputs`: the sample batch both the guard and parity run on;
+- :mod:`~amp_trainer.export.loading`: the source model with its head, its tokenizer and
+  processor, and :func:`load_fp16_export`;
+- :mod:`~amp_trainer.export.sample_inputs`: the sample batch both the guard and parity run on,
+  from the model's declared inputs (or the caller's ``sample_inputs=``);
 - :mod:`~amp_trainer.export.guard`: steps 1 and 2, what the FP16 copy keeps in FP32;
 - :mod:`~amp_trainer.export.parity`: step 3, :class:`ParityResult` and the comparison;
-- :mod:`~amp_trainer.export.formats`: the TorchScript and ONNX writers, each read back for parity;
+- :mod:`~amp_trainer.export.formats`: the torch.export (``.pt2``), ONNX and TorchScript writers,
+  each read back for parity;
 - :mod:`~amp_trainer.export.staging`: step 4, sizes, free space and the staging-folder
   transaction (write next to the target, rename into place, clean up after a killed export).
 
@@ -53,7 +58,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,20 +68,36 @@ from torch import nn
 
 from amp_trainer.atomic_files import is_disk_full, write_text_atomic
 from amp_trainer.export import staging
-from amp_trainer.export.formats import FORMATS, check_export_extra, export_onnx, export_torchscript
+from amp_trainer.export.formats import (
+    DEPRECATED_FORMATS,
+    FILE_NAMES,
+    FORMATS,
+    CaptureError,
+    check_export_extra,
+    export_onnx,
+    export_pt2,
+    export_torchscript,
+)
 from amp_trainer.export.guard import fp32_weight_share, guard_overflows, keep_known_fp32
 from amp_trainer.export.loading import (
     CONFIG_KEY,
     load_fp16_export,
     load_model,
+    load_processor,
     load_source,
     load_tokenizer,
 )
-from amp_trainer.export.parity import OutputOnly, ParityResult, compare, pick_output
+from amp_trainer.export.parity import ParityResult, compare, output_only, pick_output
 from amp_trainer.export.sample_inputs import (
     DEFAULT_SAMPLE_TEXTS,
+    SampleInputsError,
+    as_model_dtype,
+    cannot_feed,
+    check_sample_inputs,
     forward_kwargs,
+    main_input_name,
     make_sample_batch,
+    output_mask,
 )
 from amp_trainer.numerics import FP16_MAX
 
@@ -86,6 +107,7 @@ __all__ = [
     "FP16_MAX",
     "ExportReport",
     "ParityResult",
+    "SampleInputsError",
     "export_fp16",
     "load_fp16_export",
     "load_model",
@@ -118,6 +140,10 @@ class ExportReport:
     #: Modules kept FP32 beyond norms and the guard: the model's own islands (from training)
     #: and modules that share a parameter with an island.
     fp32_islands: list[str] = field(default_factory=list)
+    #: The keyword inputs every exported format takes, in order (the sample batch's names), and
+    #: the name of the one output tensor they return (``logits`` or ``last_hidden_state``).
+    inputs: list[str] = field(default_factory=list)
+    output: str = ""
 
     @property
     def size_ratio(self) -> float | None:
@@ -152,6 +178,9 @@ class ExportReport:
             f"- weights: {staging.human_bytes(self.export_bytes)} FP16 vs {size} FP32"
             + (f" ({self.size_ratio:.2f}x)" if self.size_ratio else "")
         )
+        if self.inputs:
+            names = ", ".join(f"`{n}`" for n in self.inputs)
+            lines.append(f"- inputs: {names}; output: `{self.output}`")
         lines.append(f"- norm layers kept FP32: {len(self.fp32_modules)}")
         guarded = ", ".join(f"`{n}`" for n in self.overflow_guarded_modules) or "none"
         lines.append(f"- kept FP32 by the overflow guard: {guarded}")
@@ -196,6 +225,8 @@ def export_fp16(
     *,
     tokenizer: Any | None = None,
     sample_texts: Sequence[str] | None = None,
+    sample_inputs: Mapping[str, torch.Tensor] | None = None,
+    processor: Any | None = None,
     keep_norms_fp32: bool = True,
     overflow_guard: bool = True,
     max_abs_error: float | None = None,
@@ -213,19 +244,28 @@ def export_fp16(
         model_or_path: a transformers model (not modified: the export works on a copy) or a
             folder / hub id that :func:`load_model` can load.
         output_dir: the folder to create (``save_pretrained`` layout, plus ``report.json``,
-            ``report.md`` and ``model.torchscript.pt`` / ``model.onnx`` when asked for).
+            ``report.md`` and ``model.pt2`` / ``model.onnx`` / ``model.torchscript.pt`` when
+            asked for).
         tokenizer: saved alongside and used to encode the sample texts; loaded from
             ``model_or_path`` when that is a folder and this is ``None``.
-        sample_texts: parity inputs; default: built-in sentences with a tokenizer, random valid
-            token ids without one.
+        sample_texts: parity inputs of a text model; default: built-in sentences with a
+            tokenizer, random valid token ids without one.
+        sample_inputs: the keyword arguments of one forward call (name -> tensor), used as the
+            sample batch instead of one made from what the model declares
+            (:func:`make_sample_batch`): for a model that takes other inputs. Floating tensors
+            are given FP32; the FP16 model and the exported formats get them in FP16.
+        processor: an image processor, feature extractor or processor: makes the sample pixels
+            or speech features and is saved alongside; loaded from ``model_or_path`` when that
+            is a folder holding one and the model does not take text.
         keep_norms_fp32: keep normalisation layers FP32 (parameters and arithmetic).
         overflow_guard: keep modules whose FP16 output overflows in FP32 automatically.
         max_abs_error: largest allowed absolute error of the logits; ``None`` = not checked (the
             default: the scale of logits varies by model, see ``max_rel_error``).
         max_rel_error: largest allowed normwise relative error (``max|d| / max|ref|``), in [0, 1].
         min_top1_agreement: smallest allowed argmax agreement over real positions, in [0, 1].
-        formats: any of ``"safetensors"`` (always written), ``"torchscript"``, ``"onnx"`` (needs
-            the ``export`` extra; checked in onnxruntime's CPU provider).
+        formats: any of ``"safetensors"`` (always written), ``"pt2"`` (a ``torch.export``
+            ExportedProgram, ``torch.export.load``), ``"onnx"`` (needs the ``export`` extra;
+            checked in onnxruntime's CPU provider), ``"torchscript"`` (deprecated by PyTorch).
         force: write the export even when parity fails (the report still says FAILED).
         overwrite: replace an existing ``output_dir`` (only once the new export is complete).
         max_guard_iterations: forward passes the overflow guard may spend.
@@ -235,6 +275,11 @@ def export_fp16(
         The :class:`ExportReport`. ``report.passed`` is the parity verdict; ``report.written``
         whether ``output_dir`` now holds the export. When parity fails and ``force`` is false,
         nothing is written, not even a partial folder.
+
+    Raises:
+        SampleInputsError: a ``ValueError`` in one line, before anything is written: no sample
+            batch can be made for the model, or its FP32 forward fails on the one made; it
+            names ``sample_inputs=``.
     """
     formats = tuple(dict.fromkeys(["safetensors", *formats]))
     unknown = [f for f in formats if f not in FORMATS]
@@ -245,6 +290,8 @@ def export_fp16(
     _check_threshold("min_top1_agreement", min_top1_agreement, 0.0, 1.0)
     if not isinstance(max_guard_iterations, int) or max_guard_iterations < 1:
         raise ValueError(f"max_guard_iterations must be an int >= 1, got {max_guard_iterations!r}")
+    if sample_inputs is not None and sample_texts:
+        raise ValueError("give sample_texts or sample_inputs, not both")
     check_export_extra(formats)
     target = Path(output_dir).resolve()
     local_source = None
@@ -263,6 +310,8 @@ def export_fp16(
         source_model = load_source(model_or_path)
         if tokenizer is None:
             tokenizer = load_tokenizer(model_or_path)
+        if processor is None and main_input_name(source_model) != "input_ids":
+            processor = load_processor(model_or_path)
         local = Path(model_or_path)
         if local.is_dir() and staging.weights_bytes(local):
             source_bytes, measured = staging.weights_bytes(local), True
@@ -277,17 +326,31 @@ def export_fp16(
         "min_top1_agreement": min_top1_agreement,
     }
     device = next(source_model.parameters()).device
-    inputs = make_sample_batch(source_model, tokenizer, sample_texts, seed)
-    inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
+    if sample_inputs is not None:
+        inputs = check_sample_inputs(source_model, sample_inputs)
+    else:
+        inputs = make_sample_batch(source_model, tokenizer, sample_texts, seed, processor)
+    inputs = {
+        name: tensor.to(device) for name, tensor in as_model_dtype(inputs, torch.float32).items()
+    }
     extra = forward_kwargs(source_model)
     was_training = reference_model.training
     reference_model.eval()
     try:
         with torch.no_grad():
-            output_name, reference = pick_output(reference_model(**inputs, **extra))
+            output = reference_model(**inputs, **extra)
+    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, KeyError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise cannot_feed(
+            source_model,
+            f"its FP32 forward failed on the sample inputs ({', '.join(inputs)}): {reason}",
+        ) from err
     finally:
         reference_model.train(was_training)
+    output_name, reference = pick_output(output)
     reference = reference.detach().float()
+    # The FP16 model and every exported format take floating inputs (pixels, features) in FP16.
+    fp16_inputs = as_model_dtype(inputs, torch.float16)
 
     # The FP16 model: a copy, norms and the model's own islands FP32, overflowing modules FP32.
     fp16 = copy.deepcopy(source_model).eval().half()
@@ -297,12 +360,12 @@ def export_fp16(
     failures: list[str] = []
     if overflow_guard:
         guarded, tied, failures = guard_overflows(
-            fp16, source_model, {**inputs, **extra}, max_guard_iterations, kept=own
+            fp16, source_model, {**fp16_inputs, **extra}, max_guard_iterations, kept=own
         )
     islands = sorted({*own, *tied})
     with torch.no_grad():
-        _, candidate = pick_output(fp16(**inputs, **extra))
-    mask = inputs["attention_mask"].cpu()
+        _, candidate = pick_output(fp16(**fp16_inputs, **extra))
+    mask = output_mask(inputs, reference)
     reference = reference.cpu()
     candidate = candidate.cpu()
     parity = {"pytorch": compare("pytorch", output_name, reference, candidate, mask, thresholds)}
@@ -319,6 +382,7 @@ def export_fp16(
             "plain from_pretrained(dtype=torch.float16); reload with "
             "amp_trainer.export.load_fp16_export"
         )
+    notes += [DEPRECATED_FORMATS[f] for f in formats if f in DEPRECATED_FORMATS]
 
     # Write everything into a staging folder next to the target; rename at the end. Its name
     # carries our PID so that the next export can tell a dead run's leftovers from a live one.
@@ -342,6 +406,8 @@ def export_fp16(
         export_bytes=0,
         failures=failures,
         notes=notes,
+        inputs=list(inputs),
+        output=output_name,
     )
     try:
         fp16.config.update(
@@ -357,16 +423,20 @@ def export_fp16(
         fp16.save_pretrained(staging_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging_dir)
+        if processor is not None:
+            processor.save_pretrained(staging_dir)
         report.export_bytes = staging.weights_bytes(staging_dir)
-        wrapper = OutputOnly(fp16, output_name).eval()
-        if "torchscript" in formats:
-            outputs = export_torchscript(wrapper, inputs, staging_dir / "model.torchscript.pt")
-            parity["torchscript"] = compare(
-                "torchscript", output_name, reference, outputs, mask, thresholds
-            )
-        if "onnx" in formats:
-            outputs = export_onnx(wrapper, inputs, staging_dir / "model.onnx")
-            parity["onnx"] = compare("onnx", output_name, reference, outputs, mask, thresholds)
+        wrapper = output_only(fp16, output_name, list(fp16_inputs)).eval()
+        writers = {"pt2": export_pt2, "onnx": export_onnx, "torchscript": export_torchscript}
+        for fmt in (f for f in FORMATS if f in writers and f in formats):
+            try:
+                outputs = writers[fmt](wrapper, fp16_inputs, staging_dir / FILE_NAMES[fmt])
+            except CaptureError as err:  # the tracer's limit, not ours: a reported failure
+                logger.warning("%s", err)
+                failures.append(str(err))
+                (staging_dir / FILE_NAMES[fmt]).unlink(missing_ok=True)
+                continue
+            parity[fmt] = compare(fmt, output_name, reference, outputs, mask, thresholds)
         for result in parity.values():
             failures.extend(result.failures)
         report.passed = not failures

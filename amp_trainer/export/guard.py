@@ -118,23 +118,39 @@ def guard_overflows(
     the model came with (they are widened the same way). Island weights come from ``source``
     (the FP32 model), not from the halved copy. Tied parameters: a module that shares one with an
     island becomes an island too (GPT-2's ``lm_head`` and ``transformer.wte``), so no module ever
-    meets FP32 weights with FP16 inputs.
+    meets FP32 weights with FP16 inputs. An island whose caller then fails (it casts the island's
+    input to the island's FP32 weight dtype and cannot use the FP32 it gets back) is widened the
+    same way.
     """
     modules = dict(model.named_modules())
     islands: list[str] = []
     tied: list[str] = []
+    called: set[str] = set()  # the modules the last clean-running forward called
     for _ in range(max_iterations):
-        with (
-            OverflowProbe(model, limit=FP16_MAX, skip_under=[*kept, *islands, *tied]) as probe,
-            torch.no_grad(),
-        ):
-            model(**inputs)
-        culprit = probe.first
-        if culprit is None:
-            return sorted(islands), sorted(tied), []
-        target = culprit
-        if culprit in islands or culprit in tied or culprit in kept:
-            target = _enclosing_called(culprit, probe.called)
+        try:
+            with (
+                OverflowProbe(model, limit=FP16_MAX, skip_under=[*kept, *islands, *tied]) as probe,
+                torch.no_grad(),
+            ):
+                model(**inputs)
+        except RuntimeError as err:
+            if not islands or not called:
+                raise  # the model's own failure, not one an island of ours caused
+            # The newest island broke its caller: code that casts a module's input to that
+            # module's weight dtype (T5 does so for "wo") hands the island FP32 and gets FP32
+            # back, which the FP16 layers after it refuse. Its enclosing module, fed FP16,
+            # hands back FP16.
+            culprit = islands[-1]
+            target = _enclosing_called(culprit, called)
+            logger.info("Overflow guard: island %r broke its caller (%s)", culprit, err)
+        else:
+            called = set(probe.called)
+            culprit = probe.first
+            if culprit is None:
+                return sorted(islands), sorted(tied), []
+            target = culprit
+            if culprit in islands or culprit in tied or culprit in kept:
+                target = _enclosing_called(culprit, probe.called)
         if target == "":
             return (
                 sorted(islands),

@@ -70,6 +70,28 @@ def load_tokenizer(path_or_id: str | os.PathLike[str]) -> Any | None:
         return None
 
 
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def load_processor(path_or_id: str | os.PathLike[str]) -> Any | None:
+    """The image processor / feature extractor / processor saved with the model, else ``None``.
+
+    Only a folder holding a processor config is read (a text model's folder would give back
+    its tokenizer); a hub id is tried and ``None`` when it has none. The sample batch then
+    comes from the config's shapes instead.
+    """
+    from transformers import AutoProcessor
+
+    local = Path(path_or_id)
+    if local.exists() and not any((local / name).is_file() for name in _PROCESSOR_FILES):
+        return None
+    try:
+        return AutoProcessor.from_pretrained(path_or_id)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        logger.info("No processor at %s (%s); sample inputs follow the config.", path_or_id, err)
+        return None
+
+
 def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = None) -> nn.Module:
     """Reload an :func:`export_fp16` folder exactly as it was measured.
 
@@ -85,6 +107,9 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
         model = load_model(path, dtype=torch.float16)
     else:
         model = model_class.from_pretrained(path, dtype=torch.float16)
+    # Everything FP16 first, as the export measured it: from_pretrained keeps a class's
+    # _keep_in_fp32_modules FP32, which the export halved unless it kept them (listed below).
+    model.half()
     info = getattr(model.config, CONFIG_KEY, None) or {}
     norms = list(info.get("fp32_modules", []))
     guarded = [
@@ -100,9 +125,14 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
                     f"{path}: config lists {name!r} as kept in FP32, but the model has no such "
                     "module; was the folder written by a different model class?"
                 )
-            modules[name].float()
-        # Taken after .float(): it replaced the tensors, and the FP32 values go into the new ones
-        # (a weight above 65504 is inf in the FP16 copy from_pretrained made).
+            # FP16 first, whatever from_pretrained left FP32: an island learns the dtype of
+            # the model around it from the cast it undoes, and hands that dtype to the layers
+            # after it when it is fed only integer ids (a guarded backbone before an FP16 head).
+            # Cast to FP32 beforehand, it would learn nothing and hand FP32 to the FP16 head.
+            modules[name].to(torch.float16)
+        reinstate_fp32_islands(model, norms, guarded)
+        # The FP32 values from the file, into the islands' FP32 tensors (a weight above 65504
+        # is inf in the FP16 copy from_pretrained made). Taken after the islands replaced them.
         state = model.state_dict()
         prefixes = tuple(name + "." for name in kept)
         with torch.no_grad():
@@ -111,7 +141,6 @@ def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = Non
                     for key in handle.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
                         if key.startswith(prefixes) and key in state:
                             state[key].copy_(handle.get_tensor(key).to(torch.float32))
-        reinstate_fp32_islands(model, norms, guarded)
     return model.eval()
 
 

@@ -6,7 +6,9 @@ Step 3 of :mod:`amp_trainer.export`'s flow; :class:`ParityResult` is re-exported
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+import keyword
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +61,15 @@ def pick_output(output: Any) -> tuple[str, torch.Tensor]:
 
 
 class OutputOnly(nn.Module):
-    """``model(**inputs)[output_name]`` as a module of plain tensors, for TorchScript and ONNX."""
+    """``model(**inputs)[output_name]`` as a module of plain tensors, for TorchScript, torch.export
+    and ONNX.
+
+    Its ``forward`` takes exactly the sample batch's names, in order, as named parameters (the
+    exported artifacts are called with those keywords, and TorchScript's tracer and torch.export
+    read the names from the signature, not from ``**kwargs``). Build it with :func:`output_only`.
+    """
+
+    input_names: tuple[str, ...] = ()
 
     def __init__(self, model: nn.Module, output_name: str) -> None:
         super().__init__()
@@ -67,16 +77,39 @@ class OutputOnly(nn.Module):
         self.output_name = output_name
         self._extra = forward_kwargs(model)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            kwargs["token_type_ids"] = token_type_ids
-        return self.model(**kwargs, **self._extra)[self.output_name]
+    def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**inputs, **self._extra)[self.output_name]
+
+
+@functools.cache
+def _taking(input_names: tuple[str, ...]) -> type[OutputOnly]:
+    """The :class:`OutputOnly` subclass whose ``forward`` has ``input_names`` as parameters.
+
+    Generated source, as ``dataclasses`` and ``namedtuple`` do for their ``__init__``: the
+    parameter names are the model's input names, known only at run time, and the tracers need
+    real named parameters. The names were checked to be identifiers (sample_inputs).
+    """
+    for name in input_names:
+        if not name.isidentifier() or keyword.iskeyword(name) or name == "self":
+            raise ValueError(f"input name {name!r} cannot be a forward parameter")
+    params = ", ".join(input_names)
+    items = ", ".join(f"{name!r}: {name}" for name in input_names)
+    namespace: dict[str, Any] = {}
+    exec(  # identifiers only, checked above
+        f"def forward(self, {params}):\n    return self.run({{{items}}})\n", namespace
+    )
+    forward = namespace["forward"]
+    forward.__doc__ = f"The model's output for {params}, as one tensor."
+    return type(
+        "OutputOnly",
+        (OutputOnly,),
+        {"forward": forward, "input_names": input_names, "__module__": __name__},
+    )
+
+
+def output_only(model: nn.Module, output_name: str, input_names: Sequence[str]) -> OutputOnly:
+    """:class:`OutputOnly` over ``model`` taking ``input_names`` (the sample batch's keys)."""
+    return _taking(tuple(input_names))(model, output_name)
 
 
 def compare(
