@@ -23,6 +23,7 @@ __all__ = [
     "Diagnosis",
     "DynamicLossScaler",
     "LossScaleError",
+    "SampleInputsError",
     "ScalerStats",
     "Verdict",
     "deepspeed_fp16_config",
@@ -50,6 +51,7 @@ _WHERE = {
     "deepspeed_fp16_config": "amp_trainer.deepspeed",
     "export_fp16": "amp_trainer.export",
     "load_fp16_export": "amp_trainer.export",
+    "SampleInputsError": "amp_trainer.export",
     "Diagnosis": "amp_trainer.doctor",
     "Verdict": "amp_trainer.doctor",
     "diagnose": "amp_trainer.doctor",
@@ -59,7 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.accelerate_hooks import AmpAccelerator, install_scaler
     from amp_trainer.deepspeed import deepspeed_fp16_config
     from amp_trainer.doctor import Diagnosis, Verdict, diagnose
-    from amp_trainer.export import export_fp16, load_fp16_export
+    from amp_trainer.export import SampleInputsError, export_fp16, load_fp16_export
     from amp_trainer.islands import keep_in_fp32, keep_norms_in_fp32
     from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
     from amp_trainer.trainer import AmpSeq2SeqTrainer, AmpTrainer, AmpTrainerMixin
