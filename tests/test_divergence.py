@@ -251,3 +251,21 @@ def test_doctor_still_names_a_boosted_layer_at_a_sane_lr_fp16_unfriendly():
 
     assert diagnosis.verdict is Verdict.FP16_UNFRIENDLY_LAYER
     assert diagnosis.culprit == BOOSTED
+
+
+def test_a_plain_accelerate_loop_at_lr_10_stops_with_the_divergence_message():
+    from amp_trainer import AmpAccelerator
+
+    accelerator = AmpAccelerator(mixed_precision="fp16", cpu=True)
+    model = make_tiny_bert()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=10.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    batch = bert_batch()
+    with pytest.raises(DivergenceError, match=r"learning rate 10\b.*grew"):
+        for _ in range(6):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            accelerator.check_forward_overflow(loss, batch)
+            optimizer.zero_grad()
+    assert linear_islands(accelerator.unwrap_model(model)) == []
