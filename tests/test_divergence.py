@@ -17,9 +17,9 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_bert
+from conftest import make_tiny_bert, tiny_training_args
 from test_doctor import bert_batch
-from test_trainer_support import ToyClassification, amp_args
+from test_trainer_support import ToyClassification
 from torch import nn
 
 from amp_trainer import AmpTrainer, DynamicLossScaler, Verdict, diagnose
@@ -44,7 +44,7 @@ def linear_islands(model: nn.Module) -> list[str]:
 def test_a_tiny_bert_at_lr_10_stops_with_one_divergence_message_and_no_islands(tmp_path, caplog):
     trainer = AmpTrainer(
         model=make_tiny_bert(),
-        args=amp_args(tmp_path, max_steps=8, learning_rate=10.0),
+        args=tiny_training_args(tmp_path, max_steps=8, learning_rate=10.0),
         train_dataset=ToyClassification(),
     )
     with (
@@ -67,7 +67,7 @@ def test_a_tiny_bert_at_lr_10_stops_with_one_divergence_message_and_no_islands(t
 def test_on_divergence_warn_goes_on_with_one_warning_and_still_no_islands(tmp_path, caplog):
     trainer = AmpTrainer(
         model=make_tiny_bert(),
-        args=amp_args(tmp_path, max_steps=8, learning_rate=10.0, on_divergence="warn"),
+        args=tiny_training_args(tmp_path, max_steps=8, learning_rate=10.0, on_divergence="warn"),
         train_dataset=ToyClassification(),
     )
     with caplog.at_level(logging.WARNING, logger="amp_trainer.forward_overflow"):
@@ -82,7 +82,7 @@ def test_on_divergence_warn_goes_on_with_one_warning_and_still_no_islands(tmp_pa
 
 def test_an_unknown_on_divergence_is_an_error_naming_the_valid_values(tmp_path):
     with pytest.raises(ValueError, match=r"on_divergence must be one of \('raise', 'warn'\)"):
-        amp_args(tmp_path, on_divergence="ignore")
+        tiny_training_args(tmp_path, on_divergence="ignore")
 
 
 def test_a_boosted_layer_at_a_sane_lr_still_becomes_an_island(tmp_path, caplog):
@@ -91,7 +91,7 @@ def test_a_boosted_layer_at_a_sane_lr_still_becomes_an_island(tmp_path, caplog):
         model.get_submodule(BOOSTED).weight.mul_(5e5)  # FP16-unfriendly from the start
     trainer = AmpTrainer(
         model=model,
-        args=amp_args(tmp_path, max_steps=4, learning_rate=1e-4),
+        args=tiny_training_args(tmp_path, max_steps=4, learning_rate=1e-4),
         train_dataset=ToyClassification(),
     )
     with caplog.at_level(logging.WARNING, logger="amp_trainer.forward_overflow"):
