@@ -22,8 +22,8 @@ from test_doctor import bert_batch
 from test_trainer_support import ToyClassification
 from torch import nn
 
-from amp_trainer import AmpTrainer, DynamicLossScaler, Verdict, diagnose
-from amp_trainer.forward_overflow import DivergenceError, ForwardOverflowGuard
+from amp_trainer import AmpTrainer, DivergenceError, DynamicLossScaler, Verdict, diagnose
+from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import ISLANDS_CONFIG_KEY, is_fp32_island
 
 BOOSTED = "bert.encoder.layer.0.intermediate.dense"
