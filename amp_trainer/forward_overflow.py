@@ -23,7 +23,7 @@ was non-finite it is a forward overflow, and the guard:
 3. tells divergence from an FP16-unfriendly layer: a run whose learning rate is far too high
    overflows FP16 too, and an island would only hide it. The culprit's weights far beyond their
    norm at the first step, the loss far above its first values, several modules out of FP16's
-   range at once (see :meth:`ForwardOverflowGuard._divergence_evidence`): then no island is
+   range at once (the rule: docs/guides/nan-triage.md, "Divergence"): then no island is
    added, and :class:`DivergenceError` names the learning rate and the evidence
    (``on_divergence="warn"``: one warning, training goes on). A module without parameters
    (Dropout, an activation) cannot overflow on its own: the module that produced its input is
@@ -367,16 +367,17 @@ class ForwardOverflowGuard:
                 raise errors.get(kind, NonFiniteForwardError)(message)
         evidence = next((tuple(e) for _, _, _, _, e in gathered if e), ())
         module = next((m for m, _, _, _, _ in gathered if m is not None), None)
-        if evidence:
-            # One rank saw divergence: no rank adds islands (the replicas stay identical).
-            return ForwardOverflow(self._steps, module, (), self.policy, True, evidence)
+        # Islands one rank made (before another rank saw divergence, on_divergence="warn") are
+        # made on every rank: the replicas stay identical.
         union = list(dict.fromkeys(name for _, names, _, _, _ in gathered for name in names))
         missing = [name for name in union if name not in self.islands]
         if missing:
             keep_in_fp32(self.model, [_exactly(name) for name in missing])
             record_fp32_islands(self.model)
             self.islands.extend(missing)
-        return ForwardOverflow(self._steps, module, tuple(union), self.policy)
+        return ForwardOverflow(
+            self._steps, module, tuple(union), self.policy, bool(evidence), evidence
+        )
 
     # ----------------------------------------------------------------------------------------
     def _handle(self, inputs: Any) -> ForwardOverflow:
@@ -407,10 +408,10 @@ class ForwardOverflowGuard:
                 if found.first is not None:
                     logger.warning(
                         "Step %d: %s overflows FP16 but has no parameters, and no module with "
-                        "parameters produced its input: no module to keep in FP32 (%s).",
+                        "parameters produced its input: no module to keep in FP32; giving up "
+                        "on this step.",
                         self._steps,
                         describe_module(self.model, found.first),
-                        "giving up on this step",
                     )
                     break
                 if not found.output_finite and first is None:
@@ -543,7 +544,7 @@ class ForwardOverflowGuard:
         if not self._first_losses:
             return None
         values = torch.stack(
-            [v.float().reshape(()) for v in [*self._first_losses, *self._recent_losses]]
+            [v.float().mean() for v in [*self._first_losses, *self._recent_losses]]
         ).tolist()
         first = [v for v in values[: len(self._first_losses)] if math.isfinite(v)]
         recent = [v for v in values[len(self._first_losses) :] if math.isfinite(v)]
