@@ -21,6 +21,7 @@ __all__ = [
     "AmpTrainerMixin",
     "AmpTrainingArguments",
     "Diagnosis",
+    "DivergenceError",
     "DynamicLossScaler",
     "LossScaleError",
     "SampleInputsError",
@@ -39,6 +40,7 @@ _WHERE = {
     "DynamicLossScaler": "amp_trainer.scaler",
     "LossScaleError": "amp_trainer.scaler",
     "ScalerStats": "amp_trainer.scaler",
+    "DivergenceError": "amp_trainer.forward_overflow",
     "keep_norms_in_fp32": "amp_trainer.islands",
     "keep_in_fp32": "amp_trainer.islands",
     "AmpAccelerator": "amp_trainer.accelerate_hooks",
@@ -62,6 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.deepspeed import deepspeed_fp16_config
     from amp_trainer.doctor import Diagnosis, Verdict, diagnose
     from amp_trainer.export import SampleInputsError, export_fp16, load_fp16_export
+    from amp_trainer.forward_overflow import DivergenceError
     from amp_trainer.islands import keep_in_fp32, keep_norms_in_fp32
     from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
     from amp_trainer.trainer import AmpSeq2SeqTrainer, AmpTrainer, AmpTrainerMixin

@@ -49,7 +49,12 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import SCALER_NAME, DistributedType
 from accelerate.utils.other import model_has_dtensor
 
-from amp_trainer.forward_overflow import ForwardOverflow, ForwardOverflowGuard, check_policy
+from amp_trainer.forward_overflow import (
+    ForwardOverflow,
+    ForwardOverflowGuard,
+    check_divergence_policy,
+    check_policy,
+)
 from amp_trainer.islands import apply_fp32_policy
 from amp_trainer.precision import resolve_precision
 from amp_trainer.scaler import DynamicLossScaler
@@ -201,6 +206,9 @@ class AmpAccelerator(Accelerator):
             ``_keep_in_fp32_modules``.
         on_forward_overflow: ``"fp32"``, ``"raise"`` or ``"skip"``: what
             :meth:`check_forward_overflow` does about a module whose FP16 output overflows.
+        on_divergence: ``"raise"`` (``DivergenceError``) or ``"warn"`` (warn once, go on): what
+            it does when that overflow is really divergence (weights or loss far beyond their
+            values at the start); no FP32 island is added for it either way.
         *args, **kwargs: as :class:`accelerate.Accelerator`; ``mixed_precision`` may also come
             from ``ACCELERATE_MIXED_PRECISION`` or an ``accelerate config`` file, as there.
     """
@@ -212,10 +220,12 @@ class AmpAccelerator(Accelerator):
         keep_norms_fp32: bool = True,
         fp32_modules: Iterable[str] | str = (),
         on_forward_overflow: str = "fp32",
+        on_divergence: str = "raise",
         **kwargs: Any,
     ) -> None:
         self.fp32_modules = [fp32_modules] if isinstance(fp32_modules, str) else list(fp32_modules)
         self.on_forward_overflow = check_policy(on_forward_overflow)
+        self.on_divergence = check_divergence_policy(on_divergence)
         self._forward_overflow: ForwardOverflowGuard | None = None
         if kwargs.get("mixed_precision") == "auto":
             device = "cpu" if kwargs.get("cpu") else None
@@ -314,8 +324,11 @@ class AmpAccelerator(Accelerator):
         if scaler is not None and scaler.is_enabled() and self.on_forward_overflow != "skip":
             # Made now, so that it knows the scale the first step runs with.
             self._forward_overflow = ForwardOverflowGuard(
-                model, scaler, policy=self.on_forward_overflow
+                model, scaler, policy=self.on_forward_overflow, on_divergence=self.on_divergence
             )
+            # The weights divergence is measured against: check_forward_overflow() is first
+            # called after the first optimizer step, too late to see them untrained.
+            self._forward_overflow.remember_start()
 
     def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
         """As upstream. Under Accelerate's FSDP2 (whose ``prepare`` shards the model without
@@ -376,8 +389,10 @@ class AmpAccelerator(Accelerator):
         guard = self._forward_overflow
         if guard is None or guard.model is not model:
             guard = self._forward_overflow = ForwardOverflowGuard(
-                model, scaler, policy=self.on_forward_overflow
+                model, scaler, policy=self.on_forward_overflow, on_divergence=self.on_divergence
             )
+        if guard.optimizer is None and len(self._optimizers) == 1:
+            guard.optimizer = self._optimizers[0]  # names the learning rate if it diverges
         if not self.sync_gradients:
             guard.observe(loss, batch)
             return None

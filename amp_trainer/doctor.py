@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_trainer.forward_overflow import loss_diverged
 from amp_trainer.islands import is_norm_module
 from amp_trainer.numerics import (
     FP16_MAX,
@@ -59,6 +60,13 @@ logger = logging.getLogger(__name__)
 
 # lr / 10, / 100, / 1000: the seed says "try lr/10 first"; an absurd lr needs more than one rung.
 _LR_DIVISORS = (10.0, 100.0, 1000.0)
+# A loss that blows up in FP32 is the learning rate for sure: keep going down until it descends
+# (lr 100 on a tiny BERT: lr 10, 1 and 0.1 stay finite but climb; 0.01 descends).
+_DIVERGENCE_DIVISORS = (*_LR_DIVISORS, 1e4, 1e5)
+# A first cross-entropy loss this many times a uniform guess's ln(C) (and 10 above it) is only
+# reachable with confidently wrong logits: weights that already diverged.
+_DIVERGED_OVER_UNIFORM = 10.0
+_DIVERGED_MARGIN = 10.0
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
 LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
@@ -100,10 +108,35 @@ class StageResult:
     nonfinite_grads: tuple[str, ...]
     skipped_steps: int = 0
     final_scale: float | None = None
+    uniform_loss: float | None = None
 
     @property
     def ok(self) -> bool:
         return self.first_bad_step is None
+
+    @property
+    def diverged(self) -> bool:
+        """Finite, but the loss rose far above its first value (the guard's rule,
+        :func:`~amp_trainer.forward_overflow.loss_diverged`): a learning-rate problem."""
+        later = [loss for loss in self.losses[1:] if math.isfinite(loss)]
+        return bool(later) and loss_diverged(self.losses[0], max(later))
+
+    @property
+    def improving(self) -> bool:
+        """Finite and the loss went down over the steps: what a suggested fix must show
+        (staying finite is not enough: lr 1 on a tiny BERT stays finite while its loss climbs
+        from 0.69 to 15)."""
+        return self.ok and (len(self.losses) < 2 or self.losses[-1] < self.losses[0])
+
+    @property
+    def already_diverged(self) -> bool:
+        """The first loss is far above what a uniform guess over the output's classes scores."""
+        if self.uniform_loss is None or not self.losses or not math.isfinite(self.losses[0]):
+            return False
+        limit = max(
+            _DIVERGED_OVER_UNIFORM * self.uniform_loss, self.uniform_loss + _DIVERGED_MARGIN
+        )
+        return self.losses[0] > limit
 
     def summary(self) -> str:
         losses = ", ".join(f"{loss:.4g}" for loss in self.losses)
@@ -205,13 +238,17 @@ def _run_stage(
     overflow_step: int | None = None
     bad_grads: tuple[str, ...] = ()
     skipped = 0
+    uniform: float | None = None
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         with (
             OverflowProbe(work, limit=limit) as probe,
             torch.autocast(device.type, dtype=torch.float16, enabled=fp16),
         ):
-            loss = loss_fn(work(**batch), batch)
+            output = work(**batch)
+            loss = loss_fn(output, batch)
+        if step == 0 and loss_fn is _default_loss:
+            uniform = _uniform_guess_loss(output)
         if probe.first is not None and overflow_module is None:
             overflow_module, overflow_step = probe.first, step
         loss_value = float(loss.detach().float())
@@ -248,7 +285,19 @@ def _run_stage(
         nonfinite_grads=bad_grads,
         skipped_steps=skipped,
         final_scale=scaler.get_scale() if scaler is not None else None,
+        uniform_loss=uniform,
     )
+
+
+def _uniform_guess_loss(output: Any) -> float | None:
+    """ln(C) for an output with ``logits`` over C >= 2 classes (what the model's own
+    cross-entropy loss scores for a uniform guess), else None."""
+    logits = (
+        output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    )
+    if isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[-1] >= 2:
+        return math.log(logits.shape[-1])
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +330,9 @@ def diagnose(
     The verdicts, in the order they are tested:
     ``DATA`` (the batch itself holds inf/NaN), ``MODEL`` (pure FP32 fails before any update:
     a module computes NaN, e.g. a LayerNorm with ``eps=0`` on constant input),
-    ``LEARNING_RATE`` (fails only after some steps and a smaller lr is clean),
+    ``LEARNING_RATE`` (fails only after some steps and a smaller lr is clean; or pure FP32 stays
+    finite but its loss blows up, or starts far above a uniform guess's: divergence, whatever
+    the FP16 stages show; a smaller lr is only suggested when its loss goes down),
     ``FP16_UNFRIENDLY_LAYER`` (FP32 is clean, FP16 overflows in the very first forward, or
     later at every lr tried), ``UNRESOLVED`` (FP32 fails after some updates at every lr tried),
     ``HEALTHY``.
@@ -311,9 +362,11 @@ def diagnose(
     fp32 = _run_stage("1. fp32", model, batch, precision="fp32", use_scaler=False, lr=lr, **common)
     stages = [fp32]
 
-    def ladder(precision: str, use_scaler: bool) -> StageResult | None:
-        """Step 4: rerun at lr/10, /100, /1000; the first clean run, else None."""
-        for divisor in _LR_DIVISORS:
+    def ladder(
+        precision: str, use_scaler: bool, divisors: tuple[float, ...] = _LR_DIVISORS
+    ) -> StageResult | None:
+        """Step 4: rerun at lr/10, /100, /1000; the first whose loss goes down, else None."""
+        for divisor in divisors:
             label = f"4. {'amp' if use_scaler else precision} lr/{divisor:g}"
             result = _run_stage(
                 label,
@@ -325,7 +378,7 @@ def diagnose(
                 **common,
             )
             stages.append(result)
-            if result.ok:
+            if result.improving:  # finite is not enough: the loss must go down
                 return result
         return None
 
@@ -367,6 +420,9 @@ def diagnose(
             fp32.overflow_module,
             tuple(stages),
         )
+
+    if fp32.already_diverged or fp32.diverged:
+        return _divergence_diagnosis(model, batch, lr, fp32, stages, common, ladder)
 
     autocast_only = _run_stage(
         "2. fp16 autocast, no scaler",
@@ -432,13 +488,79 @@ def diagnose(
     )
 
 
+def _divergence_diagnosis(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    lr: float,
+    fp32: StageResult,
+    stages: list[StageResult],
+    common: dict[str, Any],
+    ladder: Callable[..., StageResult | None],
+) -> Diagnosis:
+    """FP32 stays finite but the run is blowing up (or already blew up): the learning rate, not
+    FP16. The FP16 stages still run, as evidence: their overflows follow from the divergence, so
+    keeping the module they name in FP32 would only hide it (the training guard agrees: it
+    raises ``DivergenceError`` and adds no island)."""
+    for name, use_scaler in (
+        ("2. fp16 autocast, no scaler", False),
+        ("3. fp16 amp + DynamicLossScaler", True),
+    ):
+        stages.append(
+            _run_stage(name, model, batch, precision="fp16", use_scaler=use_scaler, lr=lr, **common)
+        )
+    overflow = next((s.overflow_module for s in stages[1:] if s.overflow_module), None)
+    follows = (
+        f" The FP16 overflow in {describe_module(model, overflow)} follows from it; it is not "
+        "the cause, and an FP32 island for it would only hide the divergence."
+        if overflow is not None
+        else ""
+    )
+    if fp32.already_diverged:
+        return Diagnosis(
+            Verdict.LEARNING_RATE,
+            f"the model has already diverged: its first FP32 loss, {fp32.losses[0]:.4g}, is far "
+            f"above the {fp32.uniform_loss:.3g} (ln of the number of classes) that a uniform "
+            "guess scores, which only confidently wrong logits from blown-up weights reach."
+            + follows,
+            "Go back to a checkpoint saved before the loss rose (or to the start) and train at a "
+            "lower learning rate than the one that diverged, with warmup and gradient clipping "
+            "(max_grad_norm=1.0). Keeping layers in FP32 will not repair these weights.",
+            None,
+            tuple(stages),
+        )
+    rose = f"from {fp32.losses[0]:.4g} to {max(fp32.losses[1:]):.4g}"
+    found = ladder("fp16", True, _DIVERGENCE_DIVISORS)
+    if found is None:
+        return Diagnosis(
+            Verdict.UNRESOLVED,
+            f"pure FP32 stays finite but its loss rises {rose} at lr={lr:g}, and no lower lr "
+            f"down to lr/{_DIVERGENCE_DIVISORS[-1]:g} makes it go down on this batch." + follows,
+            "Check the loss and the labels (a loss that rises at every lr is rarely the "
+            "optimizer), add warmup and gradient clipping, and rerun the doctor with more steps.",
+            None,
+            tuple(stages),
+        )
+    return Diagnosis(
+        Verdict.LEARNING_RATE,
+        f"the run diverges at lr={lr:g}: pure FP32 stays finite but its loss rises {rose}."
+        + follows
+        + f" At lr={found.lr:g} the loss goes down ({found.losses[0]:.4g} -> "
+        f"{found.losses[-1]:.4g}) under FP16 AMP.",
+        f"Lower the learning rate to about {found.lr:g} (or add warmup and gradient clipping: "
+        "scaler.clip_grad_norm_(optimizer, 1.0)).",
+        None,
+        tuple(stages),
+    )
+
+
 def _lr_diagnosis(
     lr: float, found: StageResult, where: str, stages: tuple[StageResult, ...]
 ) -> Diagnosis:
     return Diagnosis(
         Verdict.LEARNING_RATE,
         f"{where} is fine for the first step(s) and then becomes non-finite at lr={lr:g}; at "
-        f"lr={found.lr:g} it stays finite. The updates are too large, not the precision.",
+        f"lr={found.lr:g} it stays finite and the loss goes down ({found.losses[0]:.4g} -> "
+        f"{found.losses[-1]:.4g}). The updates are too large, not the precision.",
         f"Lower the learning rate to about {found.lr:g} (or add warmup and gradient clipping: "
         "scaler.clip_grad_norm_(optimizer, 1.0)).",
         None,

@@ -335,13 +335,19 @@ class AmpTrainerMixin(Trainer):
             guard = self._forward_overflow
             if policy != "skip" and (guard is None or guard.model is not model):
                 self._forward_overflow = ForwardOverflowGuard(
-                    model, self.loss_scaler, policy=policy
+                    model,
+                    self.loss_scaler,
+                    policy=policy,
+                    on_divergence=getattr(self.args, "on_divergence", "raise"),
                 )
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         loss = super().training_step(model, inputs, *args, **kwargs)
-        if self._forward_overflow is not None:
-            self._forward_overflow.observe(loss, inputs)  # no sync; read only on skipped steps
+        guard = self._forward_overflow
+        if guard is not None:
+            guard.observe(loss, inputs)  # no sync; read only on skipped steps
+            if guard.optimizer is not self.optimizer:
+                guard.optimizer = self.optimizer  # names the learning rate if it diverges
         return loss
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

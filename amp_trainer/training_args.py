@@ -22,7 +22,7 @@ from typing import Any, Literal
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
-from amp_trainer.forward_overflow import check_policy
+from amp_trainer.forward_overflow import check_divergence_policy, check_policy
 from amp_trainer.precision import resolve_precision
 from amp_trainer.scaler import DynamicLossScaler
 
@@ -149,6 +149,15 @@ class AmpTrainingArguments(TrainingArguments):
             "naming it, 'skip' skip the step and back the scale off like a gradient overflow."
         },
     )
+    on_divergence: Literal["raise", "warn"] = field(
+        default="raise",
+        metadata={
+            "help": "fp16: what a forward overflow that is really divergence does (the module's "
+            "weights or the loss far beyond their values at the first step): 'raise' "
+            "DivergenceError naming the learning rate and the evidence, 'warn' warn once and go "
+            "on. Either way no fp32 island is added for it."
+        },
+    )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Note the fp16/bf16 flags a subclass instance was built with, before any __post_init__.
@@ -189,6 +198,7 @@ class AmpTrainingArguments(TrainingArguments):
         self.mixed_precision = {"fp16": "fp16", "bf16": "bf16"}.get(self.precision, "no")
         self.loss_scaler_kwargs()  # validate the knobs now, not at the first optimizer step
         check_policy(self.on_forward_overflow)
+        check_divergence_policy(self.on_divergence)
         if isinstance(self.fp32_modules, str):
             self.fp32_modules = [self.fp32_modules]
         limit = self.max_consecutive_skipped_steps

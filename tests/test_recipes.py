@@ -212,9 +212,15 @@ def test_loss_scale_summary_counts_skips_and_the_minimum():
         {"step": 2, "scale": 32768.0, "skipped": False},
         {"step": 3, "scale": 32768.0, "skipped": False},
     ]
-    summary = summarize_loss_scale(history)
+    summary = summarize_loss_scale(history, final_scale=32768.0)
     assert (summary.final, summary.minimum, summary.skipped, summary.steps) == (32768, 32768, 1, 3)
-    assert summarize_loss_scale([]) is None
+    assert summarize_loss_scale([], None) is None
+    # "final" is the scale after the last update: a growth there shows, the history's last
+    # entry (the scale that step ran with) stays available under its own name.
+    grown = summarize_loss_scale(history, final_scale=65536.0)
+    assert (grown.final, grown.last_step_ran_with, grown.maximum) == (65536, 32768, 65536)
+    with pytest.raises(ValueError, match="final_scale is needed"):
+        summarize_loss_scale(history, None)
 
 
 def test_plot_is_written_as_png_with_skipped_steps(tmp_path):

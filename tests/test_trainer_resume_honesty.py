@@ -104,7 +104,7 @@ def test_the_loss_scale_summary_of_a_resumed_run_covers_the_whole_run(full_run, 
     trainer.train(resume_from_checkpoint=str(checkpoint))
     full = full_run[1]
     assert trainer.scale_history == full.scale_history
-    summary = summarize_loss_scale(trainer.scale_history)
+    summary = summarize_loss_scale(trainer.scale_history, trainer.loss_scaler.get_scale())
     assert (summary.steps, summary.skipped) == (MAX_STEPS, len(OVERFLOW_STEPS))
 
 
@@ -118,7 +118,9 @@ def test_resuming_the_final_checkpoint_trains_nothing_and_says_so(full_run, tmp_
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == [checkpoint.name]
     trained = full_run[1].model.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in trainer.model.state_dict().items())
-    assert summarize_loss_scale(trainer.scale_history).skipped == len(OVERFLOW_STEPS)
+    assert summarize_loss_scale(
+        trainer.scale_history, trainer.loss_scaler.get_scale()
+    ).skipped == len(OVERFLOW_STEPS)
 
 
 def test_save_total_limit_rotation_leaves_another_runs_checkpoint_alone(full_run, tmp_path):

@@ -87,7 +87,14 @@ from amp_trainer.export.loading import (
     load_source,
     load_tokenizer,
 )
-from amp_trainer.export.parity import ParityResult, compare, output_only, pick_output
+from amp_trainer.export.parity import (
+    ParityResult,
+    compare,
+    drop_autocast_wrapper,
+    output_only,
+    pick_output,
+    plain_forward,
+)
 from amp_trainer.export.sample_inputs import (
     DEFAULT_SAMPLE_TEXTS,
     SampleInputsError,
@@ -337,7 +344,13 @@ def export_fp16(
     was_training = reference_model.training
     reference_model.eval()
     try:
-        with torch.no_grad():
+        # A real FP32 forward: not under the caller's autocast, nor through Accelerate's autocast
+        # forward wrapper (which a trained model keeps).
+        with (
+            torch.no_grad(),
+            torch.autocast(device.type, enabled=False),
+            plain_forward(reference_model),
+        ):
             output = reference_model(**inputs, **extra)
     except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, KeyError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -354,6 +367,7 @@ def export_fp16(
 
     # The FP16 model: a copy, norms and the model's own islands FP32, overflowing modules FP32.
     fp16 = copy.deepcopy(source_model).eval().half()
+    drop_autocast_wrapper(fp16)  # measured as it runs once loaded: its own forward
     norms, own = keep_known_fp32(fp16, source_model, keep_norms_fp32)
     guarded: list[str] = []
     tied: list[str] = []

@@ -23,6 +23,9 @@ from amp_trainer.atomic_files import atomic_path
 
 __all__ = [
     "LossScaleSummary",
+    "activation_memory",
+    "describe_activation_memory",
+    "first_batch",
     "format_table",
     "peak_memory",
     "plot_training",
@@ -34,27 +37,131 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LossScaleSummary:
-    """The loss scale over a run: where it ended, how low it went, how many steps were skipped."""
+    """The loss scale over a run: where it ended, how low it went, how many steps were skipped.
+
+    ``final`` is the scale after the last update: what the last log line's ``loss_scale`` and the
+    checkpoint's ``scaler.pt`` hold, and what a resume starts from. ``last_step_ran_with`` is the
+    scale the last optimizer step ran with (``scale_history``'s last entry): the two differ when
+    that step grew or backed off the scale. ``minimum``/``maximum`` cover the scales the steps
+    ran with and the final one.
+    """
 
     final: float
+    last_step_ran_with: float
     minimum: float
     maximum: float
     steps: int
     skipped: int
 
 
-def summarize_loss_scale(scale_history: Sequence[Mapping[str, Any]]) -> LossScaleSummary | None:
-    """Summarise ``AmpTrainer.scale_history`` (``None`` when empty: no FP16, no scaler)."""
+def summarize_loss_scale(
+    scale_history: Sequence[Mapping[str, Any]], final_scale: float | None
+) -> LossScaleSummary | None:
+    """Summarise ``AmpTrainer.scale_history`` (``None`` when empty: no FP16, no scaler).
+
+    ``final_scale`` is the scaler's scale now, after the last update
+    (``trainer.loss_scaler.get_scale()``): the history records the scale each step *ran with*,
+    which is one update behind.
+    """
     if not scale_history:
         return None
+    if final_scale is None:
+        raise ValueError(
+            "final_scale is needed with a non-empty scale_history: pass the scaler's "
+            "get_scale() (the scale after the last update)"
+        )
     scales = [float(entry["scale"]) for entry in scale_history]
+    final = float(final_scale)
     return LossScaleSummary(
-        final=scales[-1],
-        minimum=min(scales),
-        maximum=max(scales),
+        final=final,
+        last_step_ran_with=scales[-1],
+        minimum=min(*scales, final),
+        maximum=max(*scales, final),
         steps=len(scale_history),
         skipped=sum(bool(entry["skipped"]) for entry in scale_history),
     )
+
+
+def activation_memory(
+    model: torch.nn.Module, batch: Mapping[str, Any], device_type: str
+) -> dict[str, float] | None:
+    """Bytes saved for backward by one training forward in FP32 and under FP16 autocast.
+
+    What AMP saves in memory is activations, and peak RSS hides it on a CPU (weights, optimizer
+    state and the allocator dominate it). This counts what autograd keeps for the backward pass
+    (``torch.autograd.graph.saved_tensors_hooks``), each storage once, leaving out the
+    parameters themselves (they exist in both precisions; the FP16 copies autocast makes of them
+    are counted, they are real extra memory). One forward per precision on ``batch``, in train
+    mode (dropout masks count), with the RNG restored; no backward, nothing updated. Returns
+    ``None`` when the model's output has no loss to build a graph from.
+    """
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # Accelerate's prepare() wraps the model's forward in an FP16 autocast: the FP32 pass must
+    # run the forward underneath it.
+    wrapped = model.__dict__.get("forward")
+    original = model.__dict__.get("_original_forward")
+    was_training = model.training
+    sizes: dict[str, int] = {}
+    try:
+        if wrapped is not None and original is not None:
+            model.forward = original
+        model.train()
+        for name, fp16 in (("fp32", False), ("fp16", True)):
+            seen: dict[int, int] = {}
+
+            def pack(tensor: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+                storage = tensor.untyped_storage()
+                pointer = storage.data_ptr()
+                if pointer not in parameters:
+                    seen[pointer] = max(seen.get(pointer, 0), storage.nbytes())
+                return tensor
+
+            with (
+                torch.random.fork_rng(
+                    devices=[torch.cuda.current_device()] if device_type == "cuda" else []
+                ),
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+                torch.autocast(device_type, dtype=torch.float16, enabled=fp16),
+            ):
+                output = model(**batch)
+            loss = output.get("loss") if isinstance(output, Mapping) else None
+            if loss is None:
+                loss = getattr(output, "loss", None)
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                return None
+            del output, loss  # frees the graph: nothing is kept past the measurement
+            sizes[name] = sum(seen.values())
+    finally:
+        if wrapped is not None:
+            model.forward = wrapped
+        model.train(was_training)
+    if not sizes.get("fp32"):
+        return None
+    return {
+        "fp32_bytes": sizes["fp32"],
+        "fp16_bytes": sizes["fp16"],
+        "fp16_over_fp32": sizes["fp16"] / sizes["fp32"],
+        "saved_mib": (sizes["fp32"] - sizes["fp16"]) / 2**20,
+    }
+
+
+def describe_activation_memory(measured: Mapping[str, float] | None) -> str | None:
+    """``0.78x (1.2 MiB less than FP32's 5.4 MiB)``: the summary's cell for
+    :func:`activation_memory`."""
+    if not measured:
+        return None
+    return (
+        f"{measured['fp16_over_fp32']:.2f}x ({measured['saved_mib']:.3g} MiB less than FP32's "
+        f"{measured['fp32_bytes'] / 2**20:.3g} MiB, one batch)"
+    )
+
+
+def first_batch(trainer: Any) -> dict[str, Any]:
+    """The first training batch as the trainer builds it (columns, collator), on its device:
+    what :func:`activation_memory` measures."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    device = trainer.args.device
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def peak_memory(device: torch.device | str) -> dict[str, float | None]:

@@ -63,6 +63,9 @@ from amp_trainer.recipe_support.models import (
     classification_tokenizer,
 )
 from amp_trainer.recipe_support.reporting import (
+    activation_memory,
+    describe_activation_memory,
+    first_batch,
     format_table,
     peak_memory,
     plot_training,
@@ -290,10 +293,20 @@ class RecipeRun:
             return
         model_args, args = self.model_args, self.training_args
         output_dir = Path(args.output_dir)
-        scale = summarize_loss_scale(trainer.scale_history)
+        scaler = trainer.loss_scaler
+        scale = summarize_loss_scale(
+            trainer.scale_history, scaler.get_scale() if scaler is not None else None
+        )
         runtime = train_result.metrics.get("train_runtime") or float("nan")
         tokens_per_s = trainer.state.num_input_tokens_seen / runtime if runtime else None
-        memory = peak_memory(args.device)
+        memory: dict[str, Any] = dict(peak_memory(args.device))
+        with self.phase("activation memory"):
+            activations = activation_memory(
+                trainer.accelerator.unwrap_model(trainer.model),
+                first_batch(trainer),
+                args.device.type,
+            )
+        memory["activations_saved_for_backward"] = activations
         with self.phase("plot"):
             plot = plot_training(
                 trainer.state.log_history,
@@ -324,6 +337,7 @@ class RecipeRun:
             "tokens_per_second": tokens_per_s,
             "memory": memory,
             "fp16_export_passed": report.passed,
+            "fp16_export_sample_texts": list(export_samples),
             "wall_time_s": wall,
             "phase_seconds": phases,
             "precision": args.precision,
@@ -339,14 +353,22 @@ class RecipeRun:
             *summary,
             ("precision", args.precision),
             ("optimizer steps", trainer.state.global_step),
-            ("loss scale final", None if scale is None else scale.final),
-            ("loss scale min", None if scale is None else scale.minimum),
+            # Exact (not 4 digits): the value a resume starts from, as in scaler.pt.
+            (
+                "loss scale final (after the last update)",
+                None if scale is None else f"{scale.final:.10g}",
+            ),
+            ("loss scale min", None if scale is None else f"{scale.minimum:.10g}"),
             ("skipped steps", None if scale is None else scale.skipped),
             ("tokens/s (train)", tokens_per_s),
             ("train time s", runtime),
             ("wall time s", wall),
             ("peak RSS MiB", memory["peak_rss_mib"]),
             ("peak CUDA allocated MiB", memory.get("cuda_max_allocated_mib")),
+            (
+                "activation memory fp16 / fp32 (saved for backward)",
+                describe_activation_memory(activations),
+            ),
             ("fp16 export parity", "passed" if report.passed else "FAILED"),
             ("output", str(output_dir)),
             ("plot", str(plot) if plot else None),
