@@ -44,7 +44,12 @@ class LossScaleSummary:
 
 
 def summarize_loss_scale(scale_history: Sequence[Mapping[str, Any]]) -> LossScaleSummary | None:
-    """Summarise ``AmpTrainer.scale_history`` (``None`` when empty: no FP16, no scaler)."""
+    """Summarise ``AmpTrainer.scale_history`` (``None`` when empty: no FP16, no scaler).
+
+    The history is compact (events, logging steps and the latest step; every scale change is an
+    entry), so the steps are counted from the first and last entries' step numbers, not the
+    entries.
+    """
     if not scale_history:
         return None
     scales = [float(entry["scale"]) for entry in scale_history]
@@ -52,7 +57,7 @@ def summarize_loss_scale(scale_history: Sequence[Mapping[str, Any]]) -> LossScal
         final=scales[-1],
         minimum=min(scales),
         maximum=max(scales),
-        steps=len(scale_history),
+        steps=int(scale_history[-1]["step"]) - int(scale_history[0]["step"]) + 1,
         skipped=sum(bool(entry["skipped"]) for entry in scale_history),
     )
 
