@@ -47,7 +47,11 @@ a full disk as one error without a half-written folder, rotation that spares ano
 checkpoints), ``_load_scaler`` (another precision, a missing ``scaler.pt``, overridden flags:
 said, not silent) and ``_load_from_checkpoint`` (the FP32 islands back from the checkpoint's
 config.json);
-``train`` itself only gains the finished-run check in front of stock ``train``. The checkpoint and
+``train`` itself only gains the finished-run check in front of stock ``train``. Two more private
+hooks save work, not correctness: ``_clip_grad_norm`` and ``_get_grad_norm``, where stock Trainer
+unscales and clips, do both in one pass (bit-identical; see
+:func:`~amp_trainer.accelerate_hooks.clip_grad_norm_in_one_pass`); a transformers without them
+runs the stock path. The checkpoint and
 resume behaviour lives in :mod:`amp_trainer.checkpointing` (those hooks delegate to it in a few
 lines), the arguments in :mod:`amp_trainer.training_args`.
 """
@@ -66,6 +70,7 @@ import torch
 from torch import nn
 from transformers import Seq2SeqTrainer, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
+from transformers.utils import is_sagemaker_mp_enabled
 
 from amp_trainer.accelerate_hooks import clip_grad_norm_in_one_pass, install_scaler
 from amp_trainer.checkpointing import CheckpointKeeper
@@ -411,7 +416,7 @@ class AmpTrainerMixin(Trainer):
         See :func:`~amp_trainer.accelerate_hooks.clip_grad_norm_in_one_pass`: two passes over
         the gradients instead of three reads and two writes.
         """
-        if self.loss_scaler is not None:
+        if self.loss_scaler is not None and not is_sagemaker_mp_enabled():
             norm = clip_grad_norm_in_one_pass(
                 self.accelerator, model.parameters(), self.args.max_grad_norm
             )
@@ -422,7 +427,7 @@ class AmpTrainerMixin(Trainer):
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         """With ``max_grad_norm=0`` stock Trainer still unscales and takes the norm (clipping at
         ``inf``) every step: that too in one pass."""
-        if grad_norm is None and self.loss_scaler is not None:
+        if grad_norm is None and self.loss_scaler is not None and not is_sagemaker_mp_enabled():
             grad_norm = clip_grad_norm_in_one_pass(self.accelerator, model.parameters(), math.inf)
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
