@@ -18,7 +18,8 @@ captures the scaler at wrap time) and fix the places where upstream Accelerate i
   upstream; here it unscales each optimizer once per step and is a no-op after that.
 * ``clip_grad_norm_`` on an overflow step returns ``inf`` and leaves the (discarded) gradients
   alone instead of multiplying infs by zero; "overflow" is that of the optimizers owning the
-  parameters, so a GAN's clean generator is clipped while its discriminator overflows.
+  parameters, so a GAN's clean generator is clipped while its discriminator overflows. With one
+  optimizer it unscales and clips in one pass (:func:`clip_grad_norm_in_one_pass`).
 * ``save_state``/``load_state`` move checkpoints both ways with stock Accelerate: no empty
   ``scaler.pt`` in bf16/fp32, and checkpoints without one (or with torch's) resume.
 * ``prepare(model)`` calls ``scaler.watch(model)``, so overflows name parameters in plain loops.
@@ -59,7 +60,7 @@ from amp_trainer.islands import apply_fp32_policy
 from amp_trainer.precision import resolve_precision
 from amp_trainer.scaler import DynamicLossScaler
 
-__all__ = ["AmpAccelerator", "install_scaler"]
+__all__ = ["AmpAccelerator", "clip_grad_norm_in_one_pass", "install_scaler"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,50 @@ def install_scaler(
     accelerator.scaler = scaler
     logger.debug("Installed %r on the accelerator (%s)", scaler, precision)
     return scaler
+
+
+# Where Accelerate clips its own way (sharded or engine-owned gradients): left to it.
+_CLIPS_ITS_OWN_WAY = (
+    DistributedType.FSDP,
+    DistributedType.DEEPSPEED,
+    DistributedType.XLA,
+    DistributedType.MEGATRON_LM,
+)
+
+
+def clip_grad_norm_in_one_pass(
+    accelerator: Accelerator,
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> torch.Tensor | None:
+    """``accelerator.clip_grad_norm_`` with unscale and clip in one pass, where that is exact.
+
+    Why: upstream unscales every gradient (read + write), takes the norm (read) and clips (read +
+    write); :meth:`DynamicLossScaler._clip_in_one_pass` reads the still-scaled gradients once for
+    the norm and multiplies once by ``min(1, max_norm / norm) / S``, bit-identical to that.
+    Returns the unscaled total norm (``inf`` on an overflow step), or ``None`` (nothing done; clip
+    the usual way) unless: the accelerator's scaler is an enabled :class:`DynamicLossScaler`, the
+    run is not FSDP/DeepSpeed/XLA/Megatron, exactly one optimizer is prepared, it was not unscaled
+    yet this step, and the parameters with gradients are exactly that optimizer's.
+    """
+    scaler = accelerator.scaler
+    if not isinstance(scaler, DynamicLossScaler) or not scaler.is_enabled():
+        return None
+    if accelerator.distributed_type in _CLIPS_ITS_OWN_WAY or len(accelerator._optimizers) != 1:
+        return None
+    optimizer = accelerator._optimizers[0]
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    if scaler.found_inf(optimizer) is not None:
+        return None  # already unscaled this step
+    with_grad = [p for p in parameters if p.grad is not None]
+    owned = {
+        id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+    }
+    if len(with_grad) != len(owned) or any(id(p) not in owned for p in with_grad):
+        return None
+    return scaler._clip_in_one_pass(optimizer, with_grad, max_norm, norm_type)
 
 
 class AmpAccelerator(Accelerator):
@@ -449,6 +494,9 @@ class AmpAccelerator(Accelerator):
         scaler = self.loss_scaler
         if scaler is not None and scaler.is_enabled():
             parameters = list(parameters)
+            norm = clip_grad_norm_in_one_pass(self, parameters, max_norm, norm_type)
+            if norm is not None:
+                return norm
             # Every optimizer is unscaled, as upstream: update() then decides the scale on all of
             # them, as torch's scaler does. Whether to clip follows only the optimizers that own
             # these parameters: a GAN's clean G is clipped (and stepped) while D overflows.

@@ -5,8 +5,8 @@ Stock ``Trainer`` saves ``scaler.pt`` (which holds our scaler's whole state) and
 (``train``, ``_save_checkpoint``, ``_load_scaler``):
 
 * :data:`AMP_STATE_FILE` in every checkpoint: the precision and loss-scaler settings the run
-  started with and the whole run's scale history, so a resumed run can tell what changed and
-  report all of its steps;
+  started with and the whole run's (compact: events and logging steps) scale history, so a
+  resumed run can tell what changed and report all of its steps;
 * resuming a finished run (the checkpoint of its last step) trains nothing and returns the run's
   final metrics, where stock ``train`` trains one more step every time;
 * a full disk is one ``OSError(ENOSPC)`` naming the checkpoint, without a half-written folder;

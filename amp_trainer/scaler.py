@@ -507,6 +507,22 @@ class DynamicLossScaler:
                 "iteration first."
             )
 
+        groups, never_scaled = self._gradients(optimizer)
+        if never_scaled:
+            # All-zero gradients no scale() produced: torch.distributed.checkpoint's
+            # _init_optim_state (Accelerate's FSDP2 load_state) steps once with zero grads
+            # and lr 0 to create the optimizer state. Zero is the same scaled or not, so the
+            # step runs as asked; it is no training step, so update() will not count it and
+            # no rank joins a collective for it (every rank runs the same dummy step).
+            state.update(found_inf=False, stage=_Stage.UNSCALED, passthrough=True)
+            return
+        self._unscale_groups(optimizer, state, groups)
+
+    def _gradients(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[torch.device, dict[torch.dtype, list[torch.Tensor]]], bool]:
+        """``optimizer``'s gradients by device and dtype, and whether no :meth:`scale` produced
+        them (then they must be all zero, :meth:`unscale_` says why); FP16 ones are refused."""
         groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
@@ -525,29 +541,30 @@ class DynamicLossScaler:
                         param.grad = param.grad.coalesce()
                     values = self._grad_values(param)
                     groups[values.device][values.dtype].append(values)
-            never_scaled = bool(groups) and self._scale_calls == self._scale_calls_at_unscale.get(
-                id(optimizer), 0
+        never_scaled = bool(groups) and self._scale_calls == self._scale_calls_at_unscale.get(
+            id(optimizer), 0
+        )
+        if never_scaled and not self._all_zero(groups):
+            self._raise_unscaled_gradients(optimizer)
+        if half_grads:
+            raise ValueError(
+                "Attempting to unscale FP16 gradients of "
+                f"{len(half_grads)} parameter(s): {describe_names(half_grads)}. "
+                "Mixed-precision training needs FP32 master weights: keep trainable "
+                "parameters in float32 (autocast runs the maths in FP16) - e.g. "
+                "amp_trainer.precision.cast_trainable_params_to_fp32(model) - and load "
+                "models without dtype=torch.float16 for training."
             )
-            if never_scaled and not self._all_zero(groups):
-                self._raise_unscaled_gradients(optimizer)
-            if half_grads:
-                raise ValueError(
-                    "Attempting to unscale FP16 gradients of "
-                    f"{len(half_grads)} parameter(s): {describe_names(half_grads)}. "
-                    "Mixed-precision training needs FP32 master weights: keep trainable "
-                    "parameters in float32 (autocast runs the maths in FP16) - e.g. "
-                    "amp_trainer.precision.cast_trainable_params_to_fp32(model) - and load "
-                    "models without dtype=torch.float16 for training."
-                )
+        return groups, never_scaled
 
-            if never_scaled:
-                # All-zero gradients no scale() produced: torch.distributed.checkpoint's
-                # _init_optim_state (Accelerate's FSDP2 load_state) steps once with zero grads
-                # and lr 0 to create the optimizer state. Zero is the same scaled or not, so the
-                # step runs as asked; it is no training step, so update() will not count it and
-                # no rank joins a collective for it (every rank runs the same dummy step).
-                state.update(found_inf=False, stage=_Stage.UNSCALED, passthrough=True)
-                return
+    def _unscale_groups(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
+        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
+    ) -> bool:
+        """Check and divide ``groups`` (from :meth:`_gradients`) in one fused pass; the verdict."""
+        with torch.no_grad():
             found: list[torch.Tensor] = []
             for device, per_dtype in groups.items():
                 found_inf = torch.zeros((), dtype=torch.float32, device=device)
@@ -556,7 +573,12 @@ class DynamicLossScaler:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
                 found.append(found_inf)
             overflow = self._reduce_found_inf(found)
+        self._mark_unscaled(optimizer, state, overflow)
+        return overflow
 
+    def _mark_unscaled(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], overflow: bool
+    ) -> None:
         state["found_inf"] = overflow
         state["stage"] = _Stage.UNSCALED
         self._scale_calls_at_unscale[id(optimizer)] = self._scale_calls
@@ -666,6 +688,10 @@ class DynamicLossScaler:
 
         Returns the total norm of the unscaled gradients. On an overflow step nothing is clipped
         (the step will be skipped anyway) and the returned norm is ``inf``.
+
+        When this step's gradients are still scaled, both happen in one pass where that is exact
+        (see :meth:`_clip_in_one_pass`): the gradients are read twice and written once instead
+        of read three times and written twice, with bit-identical results.
         """
         params = [
             p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
@@ -673,6 +699,9 @@ class DynamicLossScaler:
         if self._enabled:
             state = self._per_optimizer[id(optimizer)]
             if state["stage"] is _Stage.READY:
+                norm = self._clip_in_one_pass(optimizer, params, max_norm, norm_type, foreach)
+                if norm is not None:
+                    return norm
                 self.unscale_(optimizer)
             elif state["stage"] is _Stage.STEPPED:
                 raise RuntimeError(
@@ -682,6 +711,86 @@ class DynamicLossScaler:
                 device = params[0].device if params else torch.device("cpu")
                 return torch.full((), math.inf, device=device)
         return nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
+
+    def _can_clip_in_one_pass(self, params: list[torch.Tensor], norm_type: float) -> bool:
+        """Whether :meth:`_clip_in_one_pass` gives bit for bit what unscale-then-clip gives.
+
+        The scale must be a power of two whose reciprocal is a normal float32 (dividing by it is
+        then exact), the norm one whose terms scale exactly (``|x|``, ``x*x``, ``max``: the 1-,
+        2- and inf-norms; a general p-norm goes through ``pow``, which does not), and the
+        gradients dense float32/float64 plain tensors (not DTensors, sparse or bf16 ones).
+        """
+        if norm_type not in (1.0, 2.0, math.inf):
+            return False
+        mantissa, exponent = math.frexp(self._scale)
+        if mantissa != 0.5 or not -125 <= exponent - 1 <= 126:
+            return False
+        for param in params:
+            grad = param.grad
+            if (
+                type(grad) is not torch.Tensor
+                or grad.is_sparse
+                or grad.dtype not in (torch.float32, torch.float64)
+            ):
+                return False
+        return True
+
+    def _clip_in_one_pass(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        foreach: bool | None = None,
+    ) -> torch.Tensor | None:
+        """Unscale ``optimizer``'s still-scaled gradients and clip ``params``' in one pass.
+
+        Why: unscale (read + write every gradient), norm (read) and clip (read + write) is three
+        reads and two writes; the norm of the *scaled* gradients (one read) is non-finite exactly
+        when some gradient is, divided by S it is the true norm, and 1/S and the clip
+        coefficient fold into one multiply (read + write). With a power-of-two S every step of
+        that is exact, so the result is bit-identical to unscale-then-clip (and to
+        ``torch.amp.GradScaler.unscale_`` + ``clip_grad_norm_``), the returned norm included.
+
+        ``params`` are the parameters with gradients, in the order the norm sums them; they
+        must be ``optimizer``'s. Returns the norm (``inf`` on an overflow step, nothing
+        clipped), or ``None`` without touching anything when the fold would not be exact here
+        (:meth:`_can_clip_in_one_pass`): the caller unscales and clips as usual. One
+        device-to-host read, as for :meth:`unscale_`; a non-finite scaled norm (an inf/NaN
+        gradient, or finite ones whose scaled norm overflows float32) takes the two-pass path,
+        which tells the two apart.
+        """
+        norm_type = float(norm_type)
+        if not self._can_clip_in_one_pass(params, norm_type):
+            return None
+        state = self._per_optimizer[id(optimizer)]
+        groups, never_scaled = self._gradients(optimizer)
+        if never_scaled:  # DCP's all-zero dummy step: unscale_() passes it through
+            return None
+        with torch.no_grad():
+            grads = [p.grad for p in params]
+            scaled_norm = nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+            inv_scale = self._device_tensors(scaled_norm.device)[1]
+            total_norm = scaled_norm * inv_scale  # exact: a power of two
+            # As torch.nn.utils.clip_grads_with_norm_ computes it, from the same total norm.
+            coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+            factor = coef * inv_scale  # exact while it is a normal float32
+            tiny = torch.finfo(torch.float32).tiny
+            unusual = (~torch.isfinite(scaled_norm)) | (factor < tiny)
+            # The step's one sync; all-reduced like found_inf, so every rank takes the same path.
+            if self._reduce_found_inf([unusual.float()]):
+                if self._unscale_groups(optimizer, state, groups):
+                    return torch.full((), math.inf, device=scaled_norm.device)
+                return nn.utils.clip_grad_norm_(
+                    params, max_norm, norm_type=norm_type, foreach=foreach
+                )
+            self._mark_unscaled(optimizer, state, False)
+            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+            for grad in grads:
+                by_device[grad.device].append(grad)
+            for device, device_grads in by_device.items():
+                torch._foreach_mul_(device_grads, factor.to(device))
+        return total_norm
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then run ``optimizer.step()`` unless the gradients overflowed.

@@ -21,7 +21,8 @@ fixes, each reproduced against the stock class in ``tests/test_trainer_regressio
 And it makes the scaler observable: ``loss_scale``, ``skipped_steps`` and ``step_skipped`` go into
 the normal Trainer logs (so ``state.log_history`` and every ``report_to`` integration get them), an
 overflow step logs no ``grad_norm: inf``, the overflowing parameters are named at INFO level,
-``trainer.scale_history`` keeps one entry per optimizer step, and the full scaler state travels
+``trainer.scale_history`` keeps the run's loss-scale events (see :func:`_record_scale_step`), and
+the full scaler state travels
 with every checkpoint (Trainer saves ``accelerator.scaler.state_dict()`` as ``scaler.pt``; that
 object is our scaler).
 
@@ -46,7 +47,11 @@ a full disk as one error without a half-written folder, rotation that spares ano
 checkpoints), ``_load_scaler`` (another precision, a missing ``scaler.pt``, overridden flags:
 said, not silent) and ``_load_from_checkpoint`` (the FP32 islands back from the checkpoint's
 config.json);
-``train`` itself only gains the finished-run check in front of stock ``train``. The checkpoint and
+``train`` itself only gains the finished-run check in front of stock ``train``. Two more private
+hooks save work, not correctness: ``_clip_grad_norm`` and ``_get_grad_norm``, where stock Trainer
+unscales and clips, do both in one pass (bit-identical; see
+:func:`~amp_trainer.accelerate_hooks.clip_grad_norm_in_one_pass`); a transformers without them
+runs the stock path. The checkpoint and
 resume behaviour lives in :mod:`amp_trainer.checkpointing` (those hooks delegate to it in a few
 lines), the arguments in :mod:`amp_trainer.training_args`.
 """
@@ -65,8 +70,9 @@ import torch
 from torch import nn
 from transformers import Seq2SeqTrainer, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
+from transformers.utils import is_sagemaker_mp_enabled
 
-from amp_trainer.accelerate_hooks import install_scaler
+from amp_trainer.accelerate_hooks import clip_grad_norm_in_one_pass, install_scaler
 from amp_trainer.checkpointing import CheckpointKeeper
 from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import apply_fp32_policy, recorded_fp32_islands, restore_fp32_islands
@@ -143,8 +149,46 @@ def _forward_consumes_num_items(model: nn.Module) -> bool:
     return "loss_function" in source or "num_items_in_batch" in source
 
 
+def _worth_keeping(
+    entry: dict[str, Any], previous: dict[str, Any] | None, sample_every: int
+) -> bool:
+    """Whether ``entry`` (one optimizer step) stays in a compact ``scale_history``.
+
+    It does when it is the first step recorded, a skipped step (overflow, FP32 island), the first
+    step at a new scale (a growth or backoff happened on the step before) or a logging step
+    (``step % sample_every == 0``; ``0``: no samples).
+    """
+    return (
+        previous is None
+        or bool(entry["skipped"])
+        or entry["scale"] != previous["scale"]
+        or (sample_every > 0 and entry["step"] % sample_every == 0)
+    )
+
+
+def _record_scale_step(
+    history: list[dict[str, Any]], entry: dict[str, Any], sample_every: int
+) -> None:
+    """Append ``entry`` (``{"step", "scale", "skipped"}``) to ``history``, keeping it compact.
+
+    Why: one entry per step grows without bound (about 250 MB of RAM and a 54 MB
+    ``amp_trainer_state.json`` per checkpoint at a million steps), while the summary, the plot
+    and resume need only the events. The history holds every entry :func:`_worth_keeping`
+    keeps, plus the latest step as its last element (replaced by the next one unless it is worth
+    keeping), so its size is ``events + steps / logging_steps + 2`` and the last entry is always
+    the last step. Every scale change is an entry, so the scale of any step is that of the
+    entry at or before it. The rule reads only the history itself: a resumed run continues the
+    checkpoint's history into exactly the list the uninterrupted run holds.
+    """
+    if history and not _worth_keeping(
+        history[-1], history[-2] if len(history) > 1 else None, sample_every
+    ):
+        history.pop()  # the previous latest step: neither an event nor a sample
+    history.append(entry)
+
+
 class _LossScaleMonitor(TrainerCallback):
-    """Records one ``scale_history`` entry per optimizer step and names overflowing parameters.
+    """Records each optimizer step into ``scale_history`` and names overflowing parameters.
 
     Runs first among the callbacks, so user callbacks see an up-to-date history. Costs two Python
     floats per step: the skip verdict is the one the scaler already synced to the host.
@@ -177,8 +221,11 @@ class _LossScaleMonitor(TrainerCallback):
             forward = self._trainer._forward_overflow.after_step()  # work only on skipped steps
         skipped = scaler.step_was_skipped
         step = state.global_step + 1  # global_step is incremented right after this event
-        self._trainer.scale_history.append(
-            {"step": step, "scale": self._scale_before_step, "skipped": skipped}
+        sample_every = state.logging_steps if args.logging_strategy == "steps" else 0
+        _record_scale_step(
+            self._trainer.scale_history,
+            {"step": step, "scale": self._scale_before_step, "skipped": skipped},
+            int(sample_every or 0),
         )
         self._trainer._last_step_skipped = skipped
         if skipped and forward is None:  # a forward overflow was reported as such already
@@ -223,9 +270,12 @@ class AmpTrainerMixin(Trainer):
     Attributes:
         loss_scaler: the :class:`DynamicLossScaler` in use (``None`` for bf16/fp32 and DeepSpeed,
             whose engine scales the loss itself).
-        scale_history: one ``{"step", "scale", "skipped"}`` dict per optimizer step of this run;
-            ``scale`` is the loss scale the step ran with. A resumed run starts from the
-            checkpoint's history, so it covers the whole run, not just this process.
+        scale_history: ``{"step", "scale", "skipped"}`` dicts (``scale``: the loss scale the
+            step ran with) for the run's events: every skipped step, the first step at each new
+            scale, every logging step (``logging_steps``) and the latest step, so its size does
+            not grow with the run's length (with ``logging_steps=1`` that is every step). The
+            scale of a step not listed is that of the entry before it. A resumed run starts
+            from the checkpoint's history, so it covers the whole run, not just this process.
         resume_overrides: ``{field: {"given": ..., "used": ...}}`` for each loss-scaler argument
             that the checkpoint's scaler state overrode on resume (also logged, and written back
             into ``args`` so that what is recorded is what ran).
@@ -370,6 +420,27 @@ class AmpTrainerMixin(Trainer):
         if model is None:  # before transformers 5.3, create_optimizer(self) takes no model
             return super().create_optimizer()
         return super().create_optimizer(model)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        """Unscale and clip in one pass where that is exact (bit-identical), else stock.
+
+        See :func:`~amp_trainer.accelerate_hooks.clip_grad_norm_in_one_pass`: two passes over
+        the gradients instead of three reads and two writes.
+        """
+        if self.loss_scaler is not None and not is_sagemaker_mp_enabled():
+            norm = clip_grad_norm_in_one_pass(
+                self.accelerator, model.parameters(), self.args.max_grad_norm
+            )
+            if norm is not None:
+                return norm
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        """With ``max_grad_norm=0`` stock Trainer still unscales and takes the norm (clipping at
+        ``inf``) every step: that too in one pass."""
+        if grad_norm is None and self.loss_scaler is not None and not is_sagemaker_mp_enabled():
+            grad_norm = clip_grad_norm_in_one_pass(self.accelerator, model.parameters(), math.inf)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     # -- observability -----------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

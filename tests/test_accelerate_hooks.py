@@ -27,15 +27,17 @@ def quiet_cpu_fp16_warning(monkeypatch):
 
 
 class CountingScaler(DynamicLossScaler):
-    """A real DynamicLossScaler that counts its unscale_ calls."""
+    """A real DynamicLossScaler that counts how often it unscales an optimizer's gradients:
+    ``unscale_`` or the one-pass unscale + clip of ``clip_grad_norm_`` (both end in
+    ``_mark_unscaled``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.unscale_calls = 0
 
-    def unscale_(self, optimizer):
+    def _mark_unscaled(self, optimizer, state, overflow):
         self.unscale_calls += 1
-        super().unscale_(optimizer)
+        super()._mark_unscaled(optimizer, state, overflow)
 
 
 def bert_batch(batch_size: int = 4, seed: int = 1) -> dict[str, torch.Tensor]:

@@ -144,6 +144,30 @@ def test_bench_scaler_rejects_a_size_too_small_to_hold_the_model():
         bench_scaler.main(["--size", "10"])
 
 
+def test_bench_step_cost_prints_one_row_per_optimizer_with_the_ratios(tmp_path, capsys):
+    bench_step_cost = _load_script("bench_step_cost")
+    report = tmp_path / "step-cost.md"
+
+    argv = ["--size", "2e4", "--repeats", "2", "--warmup", "0", "--output", str(report)]
+    assert bench_step_cost.main(argv) == 0
+
+    out = capsys.readouterr().out
+    header, rows = _table_rows(out, "optimizer")
+    assert header[:2] == ["optimizer", "bare step ms"]
+    assert {"ours/torch unscale+clip", "ours/torch extra", "ours/torch total"} <= set(header)
+    assert [r[0] for r in rows] == ["sgd", "adamw-foreach", "adamw-fused"]
+    assert "Machine (before): CPU " in out and "load average" in out
+    assert report.read_text().strip() == out.strip()
+
+
+def test_bench_step_cost_checks_that_ours_and_torch_step_identically():
+    bench_step_cost = _load_script("bench_step_cost")
+    shapes = bench_step_cost.shapes_for_size(5_000)
+
+    for kind in bench_step_cost.OPTIMIZERS:
+        bench_step_cost.check_identical(shapes, kind, 1.0)  # raises if they differ
+
+
 @pytest.mark.slow
 def test_bench_trainer_prints_ampTrainer_against_stock_fp16(tmp_path):
     done = _run(

@@ -61,7 +61,9 @@ def summarize_loss_scale(
 
     ``final_scale`` is the scaler's scale now, after the last update
     (``trainer.loss_scaler.get_scale()``): the history records the scale each step *ran with*,
-    which is one update behind.
+    which is one update behind. The history is compact (events, logging steps and the latest
+    step; every scale change is an entry), so the steps are counted from the first and last
+    entries' step numbers, not the entries.
     """
     if not scale_history:
         return None
@@ -77,7 +79,7 @@ def summarize_loss_scale(
         last_step_ran_with=scales[-1],
         minimum=min(*scales, final),
         maximum=max(*scales, final),
-        steps=len(scale_history),
+        steps=int(scale_history[-1]["step"]) - int(scale_history[0]["step"]) + 1,
         skipped=sum(bool(entry["skipped"]) for entry in scale_history),
     )
 
