@@ -4,14 +4,28 @@ arguments of a tiny training run."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Accelerate before 1.13 loads an FSDP2 optimizer through DCP into ``optimizer.state_dict()`` (a
+# fresh optimizer's: no state, integer keys) instead of ``get_optimizer_state_dict`` (FQN keys),
+# so no saved AdamW state is read and the resumed run steps from zero moments. Fixed upstream in
+# 1.13.0 by huggingface/accelerate#3904; 1.10.0 (our lowest) and 1.12.0 fail, 1.13.0 passes.
+XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED = pytest.mark.xfail(
+    Version(importlib.metadata.version("accelerate")) < Version("1.13.0"),
+    reason="accelerate<1.13 load_state/load_fsdp_optimizer under FSDP2 restores no optimizer "
+    "state (loads DCP into optimizer.state_dict(), not get_optimizer_state_dict; fixed by "
+    "huggingface/accelerate#3904 in 1.13.0)",
+    strict=True,
+)
 
 # Nothing in the test suite may reach a model hub: fail fast instead of hanging on a socket.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
