@@ -30,6 +30,7 @@ from amp_trainer.atomic_files import is_disk_full
 
 __all__ = [
     "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_USAGE",
     "RunArguments",
@@ -43,6 +44,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class UsageError(ValueError):
@@ -102,12 +104,17 @@ def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | 
     Returns ``main()``'s own return value (``None`` counts as 0). ``debug`` (default: the
     ``AMP_TRAINER_DEBUG`` environment variable) also prints the traceback; without it the
     traceback of a runtime failure is written to a log file whose path ends the line.
-    ``KeyboardInterrupt`` and ``SystemExit`` (``--help``) pass through untouched.
+    ``KeyboardInterrupt`` (Ctrl-C) is one line too, its own message if it has one (a recipe's
+    says how to resume), exit 130 as a shell reports SIGINT; ``SystemExit`` (``--help``) passes
+    through untouched.
     """
     if debug is None:
         debug = os.environ.get("AMP_TRAINER_DEBUG", "").lower() not in ("", "0", "false", "no")
     try:
         code = main()
+    except KeyboardInterrupt as err:
+        print(f"{prog}: {str(err) or 'interrupted'}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except Exception as err:  # the one place every failure is reported
         code, message = describe_error(err)
         logger.debug("%s failed", prog, exc_info=True)
