@@ -92,13 +92,10 @@ class CheckpointKeeper:
         if not state_file.is_file():
             return None  # stock train refuses a checkpoint without its state
         state = TrainerState.load_from_json(str(state_file))
-        args = self.trainer.args
-        if args.max_steps > 0:
-            target = args.max_steps
-        elif args.num_train_epochs > (state.num_train_epochs or 0):
-            return None  # more epochs asked for than the checkpoint's run had
-        else:
-            target = state.max_steps
+        trainer = self.trainer
+        if trainer.args.auto_find_batch_size and state.train_batch_size is not None:
+            trainer._train_batch_size = state.train_batch_size  # what stock train() restores
+        target = self._planned_max_steps()
         if not target or state.global_step < target:
             return None
         logger.warning(
@@ -109,11 +106,31 @@ class CheckpointKeeper:
             target,
         )
         load(checkpoint)
-        self.trainer.state = state
+        trainer.state = state
+        # Stock train() restores stateful callbacks (EarlyStoppingCallback, ...) from the state
+        # (if restore_callback_states_from_checkpoint); so does a finished run here.
+        trainer._load_callback_state()
         self.restore_scale_history(Path(checkpoint))
         final = next((e for e in reversed(state.log_history) if "train_loss" in e), {})
         metrics = {k: v for k, v in final.items() if k.startswith("train_") or k == "total_flos"}
         return TrainOutput(state.global_step, final.get("train_loss", float("nan")), metrics)
+
+    def _planned_max_steps(self) -> int | None:
+        """The ``max_steps`` this ``train`` call would run to (``None`` if it cannot be known).
+
+        With ``num_train_epochs`` that is stock's own count over the train dataloader, not the
+        checkpoint's ``max_steps``: a checkpoint of a ``max_steps=2`` run stores one epoch, yet
+        one epoch of 8 steps still has 6 to train.
+        """
+        trainer = self.trainer
+        args = trainer.args
+        if args.max_steps > 0:
+            return args.max_steps
+        try:
+            dataloader = trainer.get_train_dataloader()
+            return trainer.set_initial_training_values(args, dataloader)[-1]
+        except (ValueError, TypeError):  # no train_dataset, or no length: stock train() says so
+            return None
 
     # -- _save_checkpoint() ------------------------------------------------------------------
     def save(self, run_dir: str | os.PathLike, save: Callable[[], None]) -> None:

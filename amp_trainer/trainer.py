@@ -190,8 +190,10 @@ def _record_scale_step(
 class _LossScaleMonitor(TrainerCallback):
     """Records each optimizer step into ``scale_history`` and names overflowing parameters.
 
-    Runs first among the callbacks, so user callbacks see an up-to-date history. Costs two Python
-    floats per step: the skip verdict is the one the scaler already synced to the host.
+    Installed only when there is a loss scaler, after stock's default callbacks and before the
+    user's (see ``AmpTrainerMixin._place_loss_scale_monitor``), so user callbacks see an
+    up-to-date history. Costs two Python floats per step: the skip verdict is the one the scaler
+    already synced to the host.
     """
 
     def __init__(self, trainer: AmpTrainerMixin) -> None:
@@ -316,7 +318,7 @@ class AmpTrainerMixin(Trainer):
         self._last_step_skipped = False
         self._forward_overflow: ForwardOverflowGuard | None = None
         super().__init__(*args, **kwargs)
-        self.callback_handler.callbacks.insert(0, _LossScaleMonitor(self))
+        self._place_loss_scale_monitor()
 
         stock = self.model_accepts_loss_kwargs
         self.model_accepts_loss_kwargs = _forward_consumes_num_items(
@@ -359,6 +361,34 @@ class AmpTrainerMixin(Trainer):
                 scaler = DynamicLossScaler(self.args.device.type, **scaler_kwargs)
             self.loss_scaler = install_scaler(self.accelerator, scaler)
         self._apply_precision_policy(self.model)
+        if hasattr(self, "callback_handler"):  # again for a hyperparameter-search trial
+            self._place_loss_scale_monitor()
+
+    def _place_loss_scale_monitor(self) -> None:
+        """Put :class:`_LossScaleMonitor` in the callback list only where it has work to do.
+
+        Without a loss scaler (bf16, fp32, DeepSpeed's own) the list is stock Trainer's, so code
+        that looks callbacks up by position (``callbacks[0]`` is ``DefaultFlowCallback``) sees
+        what it would see with ``Trainer``. With one, the monitor goes right after stock's
+        default callbacks (flow control, reporting integrations, JIT checkpointing) and before
+        the user's, so user callbacks see an up-to-date ``scale_history``.
+        """
+        callbacks = self.callback_handler.callbacks
+        present = [cb for cb in callbacks if isinstance(cb, _LossScaleMonitor)]
+        if self.loss_scaler is None:
+            for callback in present:
+                callbacks.remove(callback)
+            return
+        if present:
+            return
+        from transformers.integrations import get_reporting_integration_callbacks
+        from transformers.trainer import DEFAULT_CALLBACKS
+
+        defaults = len(DEFAULT_CALLBACKS) + len(
+            get_reporting_integration_callbacks(self.args.report_to)
+        )
+        defaults += int(bool(getattr(self.args, "enable_jit_checkpoint", False)))
+        callbacks.insert(min(defaults, len(callbacks)), _LossScaleMonitor(self))
 
     def _apply_precision_policy(self, model: nn.Module | None) -> None:
         """FP32 master weights, FP32 norms and named overflows for ``model``; idempotent."""

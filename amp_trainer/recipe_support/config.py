@@ -30,6 +30,7 @@ from amp_trainer.atomic_files import is_disk_full
 
 __all__ = [
     "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_USAGE",
     "RunArguments",
@@ -43,6 +44,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class UsageError(ValueError):
@@ -102,12 +104,17 @@ def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | 
     Returns ``main()``'s own return value (``None`` counts as 0). ``debug`` (default: the
     ``AMP_TRAINER_DEBUG`` environment variable) also prints the traceback; without it the
     traceback of a runtime failure is written to a log file whose path ends the line.
-    ``KeyboardInterrupt`` and ``SystemExit`` (``--help``) pass through untouched.
+    ``KeyboardInterrupt`` (Ctrl-C) is one line too, its own message if it has one (a recipe's
+    says how to resume), exit 130 as a shell reports SIGINT; ``SystemExit`` (``--help``) passes
+    through untouched.
     """
     if debug is None:
         debug = os.environ.get("AMP_TRAINER_DEBUG", "").lower() not in ("", "0", "false", "no")
     try:
         code = main()
+    except KeyboardInterrupt as err:
+        print(f"{prog}: {str(err) or 'interrupted'}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except Exception as err:  # the one place every failure is reported
         code, message = describe_error(err)
         logger.debug("%s failed", prog, exc_info=True)
@@ -198,6 +205,10 @@ def parse_args_with_config(
     (so argparse still converts strings and validates choices), and flags given on the command
     line win. Unknown YAML keys and unknown flags are errors that name them.
     """
+    argv = list(argv)
+    full_help = "--help-all" in argv
+    if full_help:
+        argv = ["--help"]  # argparse's help of every flag, TrainingArguments' ~600 lines too
     # argparse prints a usage block and exits on a bad flag; an exception is reported in one line.
     parser.error = _raise_usage_error
     pre = argparse.ArgumentParser(add_help=False)
@@ -222,7 +233,83 @@ def parse_args_with_config(
         for action in parser._actions:
             if action.dest in values:
                 action.required = False
+    if not full_help and (
+        "-h" in rest or "--help" in rest
+    ):  # after the config: its values are the defaults shown
+        print(_short_help(parser, config_path))
+        raise SystemExit(EXIT_OK)
     return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
+
+
+#: The TrainingArguments flags a recipe user reaches for first; ``--help-all`` lists the rest.
+_COMMON_TRAINING_FLAGS = (
+    "output_dir",
+    "resume_from_checkpoint",
+    "max_steps",
+    "num_train_epochs",
+    "learning_rate",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "eval_strategy",
+    "save_strategy",
+    "save_steps",
+    "save_total_limit",
+    "logging_steps",
+    "seed",
+    "use_cpu",
+    "report_to",
+    "disable_tqdm",
+)
+
+
+def _short_help(parser: Any, config: str | os.PathLike[str] | None) -> str:
+    """``--help``: ``--config``, the recipe's own flags, amp-trainer's and the common training
+    flags, in that order; stock ``--help`` buries them in ~600 lines of TrainingArguments."""
+    from transformers import TrainingArguments
+
+    stock = {f.name for f in dataclasses.fields(TrainingArguments)}
+    groups: dict[str, list[str]] = {"recipe": [], "amp-trainer": [], "training": []}
+    for kind in parser.dataclass_types:
+        for f in dataclasses.fields(kind):
+            if not f.init:
+                continue
+            if not issubclass(kind, TrainingArguments):
+                groups["recipe"].append(f.name)
+            elif f.name not in stock:
+                groups["amp-trainer"].append(f.name)
+    groups["training"] = [name for name in _COMMON_TRAINING_FLAGS if name in stock]
+    actions = {action.dest: action for action in parser._actions}
+    short = argparse.ArgumentParser(
+        prog=parser.prog,
+        add_help=False,
+        usage=f"{parser.prog} [--config FILE.yaml] [--FLAG VALUE ...]",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=(
+            "Flags override the config file. The defaults shown are "
+            + (f"{config}'s" if config else "the flags' own")
+            + " (the config file in use). --help-all lists every flag (all of transformers' "
+            "TrainingArguments)."
+        ),
+    )
+    short.add_argument_group("config").add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=str(config) if config else "none",
+        help="YAML of these flags (keys without '--'); 'none': the flags' own defaults.",
+    )
+    titles = {
+        "recipe": "the recipe's flags",
+        "amp-trainer": "amp-trainer's precision and loss-scaler flags",
+        "training": "the most used TrainingArguments (--help-all: all of them)",
+    }
+    for key, names in groups.items():
+        group = short.add_argument_group(titles[key])
+        for name in names:
+            if name in actions:
+                group._group_actions.append(actions[name])
+                short._actions.append(actions[name])
+    return short.format_help()
 
 
 def _spell_for_installed_transformers(

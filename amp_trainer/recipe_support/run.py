@@ -71,6 +71,7 @@ from amp_trainer.recipe_support.reporting import (
     plot_training,
     summarize_loss_scale,
 )
+from amp_trainer.recipe_support.resume import interrupted, resumed_from_line, settle_run_folder
 
 if TYPE_CHECKING:
     from transformers.trainer_utils import TrainOutput
@@ -174,6 +175,17 @@ def apply_sample_limits(splits: Any, data_args: SharedDataArguments) -> None:
             splits[split] = splits[split].select(range(min(limit, splits[split].num_rows)))
 
 
+def _close_progress_bars(trainer: AmpTrainer) -> None:
+    """Close the Trainer's tqdm bars now: left open, they redraw themselves at exit, after the
+    line that says how to resume."""
+    for callback in trainer.callback_handler.callbacks:
+        for name in ("training_bar", "prediction_bar"):
+            bar = getattr(callback, name, None)
+            if bar is not None and hasattr(bar, "close"):
+                bar.close()
+                setattr(callback, name, None)
+
+
 # --------------------------------------------------------------------------------------------
 # One run: its arguments, its phase clock, its start and its end
 # --------------------------------------------------------------------------------------------
@@ -190,6 +202,7 @@ class RecipeRun:
     training_args: AmpTrainingArguments
     started: float
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    argv: tuple[str, ...] = ()  # the flags as given: the resume command repeats them
     _phase_start: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -214,13 +227,17 @@ class RecipeRun:
         model_args, data_args, run_args, training_args = parse_args_with_config(
             parser, argv, default_config
         )
+        # --resume_from_checkpoint true|RUN_DIR|CHECKPOINT, and a run folder of its own.
+        settle_run_folder(training_args, argv, reuse=run_args.reuse_output_dir)
+        if data_args.train_file is not None:  # ignored then: metrics.json records the files
+            data_args.dataset_name = None
         check_output_dir(
             training_args.output_dir,
             reuse=run_args.reuse_output_dir,
             resuming=training_args.resume_from_checkpoint is not None,
         )
         check_model_path(model_args.model_name_or_path)
-        return cls(name, model_args, data_args, training_args, started)
+        return cls(name, model_args, data_args, training_args, started, argv=tuple(argv))
 
     def start(self, *, count_input_tokens: str) -> None:
         """Logging, seed and the precision line. ``count_input_tokens``: how the Trainer counts
@@ -259,7 +276,13 @@ class RecipeRun:
         model (LoRA: the adapter) and the tokenizer: the phases train, evaluate and save."""
         with self.phase("train"):
             resume = self.training_args.resume_from_checkpoint
-            train_result = trainer.train(resume_from_checkpoint=resume)
+            if resume is not None:
+                logging.getLogger(self.name).info(resumed_from_line(resume))
+            try:
+                train_result = trainer.train(resume_from_checkpoint=resume)
+            except KeyboardInterrupt:  # Ctrl-C: one line with the command that resumes
+                _close_progress_bars(trainer)
+                raise interrupted(self.argv, self.training_args.output_dir) from None
         with self.phase("evaluate"):
             eval_metrics = trainer.evaluate()
         with self.phase("save"):

@@ -1,0 +1,256 @@
+"""Where a recipe run writes and what it resumes, settled before anything is loaded.
+
+``--resume_from_checkpoint`` takes what transformers users pass: ``true`` (the last
+``checkpoint-N`` in ``output_dir``, found as :func:`transformers.trainer_utils.get_last_checkpoint`
+finds it, but skipping one left half-written by a Ctrl-C), a run folder (its last checkpoint) or a
+``checkpoint-N`` folder. Stock Trainer knows
+only the last form, and says so after the ~20 s of loading data and model ("Can't find a valid
+checkpoint at true", ``[Errno 2] ... trainer_state.json``); here a bad value is one line before
+any of that.
+
+When ``output_dir`` comes from the config file rather than ``--output_dir``, a run does not collide
+with the previous one: resuming continues in the checkpoint's own run folder, and a new run next
+to a previous run's folder (``runs/bert_offline``) gets the next free one (``runs/bert_offline-2``).
+An ``--output_dir`` given on the command line is used as given.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from amp_trainer.recipe_support.config import UsageError
+
+__all__ = [
+    "ResumeInterrupted",
+    "interrupted",
+    "last_complete_checkpoint",
+    "resolve_checkpoint",
+    "resume_command",
+    "resumed_from_line",
+    "settle_run_folder",
+]
+
+logger = logging.getLogger(__name__)
+
+_TRUE, _FALSE = ("true", "yes", "1"), ("", "false", "no", "0", "none")
+_STATE_FILE = "trainer_state.json"  # stock Trainer's TRAINER_STATE_NAME
+_STEP = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
+
+
+class ResumeInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; its message is the one line to print, with the resume command."""
+
+
+def _flag_given(argv: Sequence[str], name: str) -> bool:
+    spellings = (f"--{name}", f"--{name.replace('_', '-')}")
+    return any(arg in spellings or arg.split("=", 1)[0] in spellings for arg in argv)
+
+
+def _contents(folder: Path) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    if not names:
+        return "it is empty"
+    return "it holds " + ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
+
+
+def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
+    """The ``checkpoint-N`` folder ``--resume_from_checkpoint value`` means (``None``: none).
+
+    ``true``: the last checkpoint in ``output_dir``; a folder with ``trainer_state.json``: that
+    checkpoint; another folder: its last ``checkpoint-N``. Anything else is a
+    :class:`UsageError` naming the value and what the folder holds.
+    """
+    if value is None or str(value).strip().lower() in _FALSE:
+        return None
+    text = str(value).strip()
+    if text.lower() in _TRUE:
+        folder, said = Path(output_dir), f"true (the last checkpoint in output_dir {output_dir!r})"
+        if not folder.is_dir():
+            raise UsageError(
+                f"--resume_from_checkpoint {said}: {output_dir!r} does not exist; pass "
+                "--output_dir RUN_DIR or --resume_from_checkpoint RUN_DIR/checkpoint-N"
+            )
+    else:
+        folder, said = Path(os.path.expanduser(text)), repr(text)
+        if not folder.exists():
+            raise UsageError(
+                f"--resume_from_checkpoint {said} does not exist; pass true (the last checkpoint "
+                "in --output_dir), a run folder or a checkpoint-N folder"
+            )
+        if not folder.is_dir():
+            raise UsageError(
+                f"--resume_from_checkpoint {said} is a file; pass a run folder or a "
+                "checkpoint-N folder"
+            )
+        if (folder / _STATE_FILE).is_file():
+            return str(folder)
+        if _STEP.fullmatch(folder.name):
+            earlier = last_complete_checkpoint(folder.parent)
+            raise UsageError(
+                f"--resume_from_checkpoint {said} is an incomplete checkpoint (no {_STATE_FILE}: "
+                "interrupted while saving?); "
+                + (f"the last complete one is {earlier}" if earlier else "pass another one")
+            )
+    if get_last_checkpoint(str(folder)) is None:
+        raise UsageError(
+            f"--resume_from_checkpoint {said}: {str(folder)!r} holds no {PREFIX_CHECKPOINT_DIR}-N "
+            f"folder ({_contents(folder)}); pass a run folder with checkpoints (save_strategy "
+            "not 'no') or a checkpoint-N folder"
+        )
+    last = last_complete_checkpoint(folder)
+    if last is None:
+        raise UsageError(
+            f"--resume_from_checkpoint {said}: no checkpoint in {str(folder)!r} is complete "
+            f"(none has {_STATE_FILE}); start a new run"
+        )
+    return last
+
+
+def last_complete_checkpoint(folder: str | os.PathLike[str]) -> str | None:
+    """The highest ``checkpoint-N`` in ``folder`` that holds ``trainer_state.json``.
+
+    transformers' ``get_last_checkpoint`` takes the highest number whatever it holds, so a run
+    stopped while saving (Ctrl-C, preemption) would be resumed from a half-written folder and fail
+    on ``trainer_state.json``; a skipped one is named in a warning.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    steps = sorted(
+        ((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.fullmatch(p.name))),
+        reverse=True,
+    )
+    for _, path in steps:
+        if path.is_dir() and (path / _STATE_FILE).is_file():
+            return str(path)
+        if path.is_dir():
+            logger.warning(
+                "%s is incomplete (no %s; interrupted while saving?): skipped", path, _STATE_FILE
+            )
+    return None
+
+
+def _next_free(folder: Path) -> Path:
+    n = 2
+    while (candidate := folder.with_name(f"{folder.name}-{n}")).exists():
+        n += 1
+    return candidate
+
+
+def _latest_run(folder: Path) -> Path:
+    """The highest-numbered of ``folder``, ``folder-2``, ``folder-3`` ... that has a checkpoint."""
+    runs = [(1, folder)]
+    if folder.parent.is_dir():
+        prefix = f"{folder.name}-"
+        runs += [
+            (int(p.name[len(prefix) :]), p)
+            for p in folder.parent.glob(f"{prefix}*")
+            if p.name[len(prefix) :].isdigit() and p.is_dir()
+        ]
+    with_checkpoints = [(n, p) for n, p in runs if p.is_dir() and get_last_checkpoint(str(p))]
+    return max(with_checkpoints)[1] if with_checkpoints else folder
+
+
+def _holds_a_run(folder: Path) -> bool:
+    return folder.is_dir() and any(
+        p.name == "metrics.json" or p.name.startswith(f"{PREFIX_CHECKPOINT_DIR}-")
+        for p in folder.iterdir()
+    )
+
+
+def settle_run_folder(training_args: Any, argv: Sequence[str], *, reuse: bool) -> None:
+    """Resolve ``--resume_from_checkpoint`` and choose the run folder, in ``training_args``.
+
+    Called on the parsed arguments before the output folder check and before any loading.
+    ``output_dir`` changes only when the command line did not name it (see the module doc).
+    """
+    explicit_dir = _flag_given(argv, "output_dir")
+    value = training_args.resume_from_checkpoint
+    if not explicit_dir and str(value).strip().lower() in _TRUE:
+        # "true" with the config's folder: the latest run of that name (runs/bert_offline-3).
+        training_args.output_dir = str(_latest_run(Path(training_args.output_dir)))
+    checkpoint = resolve_checkpoint(value, training_args.output_dir)
+    training_args.resume_from_checkpoint = checkpoint
+    if explicit_dir:
+        return
+    if checkpoint is not None:
+        run_dir = str(Path(checkpoint).parent)
+        if Path(run_dir).resolve() != Path(training_args.output_dir).resolve():
+            logger.info("Resuming in the checkpoint's run folder %s", run_dir)
+            training_args.output_dir = run_dir
+        return
+    folder = Path(training_args.output_dir)
+    if not reuse and _holds_a_run(folder):
+        new = _next_free(folder)
+        logger.warning(
+            "%s holds a previous run: this run writes to %s (--output_dir chooses the folder, "
+            "--resume_from_checkpoint true continues the previous run)",
+            folder,
+            new,
+        )
+        training_args.output_dir = str(new)
+
+
+def resumed_from_line(checkpoint: str) -> str:
+    """ "Resumed from CHECKPOINT at step N (loss scale S)": what the run logs as it resumes."""
+    import json
+
+    import torch
+
+    path = Path(checkpoint)
+    try:
+        step = json.loads((path / _STATE_FILE).read_text(encoding="utf-8"))["global_step"]
+    except (OSError, ValueError, KeyError):
+        step = "?"
+    scaler = path / "scaler.pt"
+    scale = "none: the checkpoint has no loss scaler state"
+    if scaler.is_file():
+        try:
+            scale = f"{float(torch.load(scaler, map_location='cpu', weights_only=True)['scale']):g}"
+        except Exception:  # only for the message; loading the scaler itself reports failures
+            scale = "unreadable scaler.pt"
+    return f"Resumed from {checkpoint} at step {step} (loss scale {scale})"
+
+
+def resume_command(argv: Sequence[str], output_dir: str) -> str:
+    """The command that resumes this run: the same flags, ``--resume_from_checkpoint`` set to
+    the last complete checkpoint in ``output_dir`` (the caller checks that there is one)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--resume_from_checkpoint", "--resume-from-checkpoint", "--output_dir"):
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    launched = "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
+    prefix = ["accelerate", "launch"] if launched else ["python"]
+    last = last_complete_checkpoint(output_dir)
+    return shlex.join(
+        [*prefix, sys.argv[0], *kept, "--output_dir", output_dir, "--resume_from_checkpoint", last]
+    )
+
+
+def interrupted(argv: Sequence[str], output_dir: str) -> ResumeInterrupted:
+    """The one-line :class:`ResumeInterrupted` for a Ctrl-C while training into ``output_dir``."""
+    last = last_complete_checkpoint(output_dir)
+    if last is not None:
+        return ResumeInterrupted(
+            f"interrupted; {Path(last).name} is the last checkpoint. Resume with: "
+            f"{resume_command(argv, output_dir)}"
+        )
+    return ResumeInterrupted(
+        f"interrupted before the first checkpoint in {output_dir} (save_steps): nothing to resume"
+    )
