@@ -21,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 AMP_STATE_FILE = "amp_trainer_state.json"
 # Stock Trainer's checkpoint file names (transformers.trainer module constants).
 _SCALER_FILE, _TRAINER_STATE_FILE = "scaler.pt", "trainer_state.json"
+_OPTIMIZER_FILE, _SCHEDULER_FILE, _RNG_FILE = "optimizer.pt", "scheduler.pt", "rng_state.pth"
 
 
 class CheckpointKeeper:
@@ -57,8 +59,10 @@ class CheckpointKeeper:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.resume_step: int | None = None  # N of the checkpoint-N resumed from
+        self.resume_dir: Path | None = None  # the folder holding the checkpoint resumed from
         self.at_start: dict[str, int] = {}  # checkpoint folders in output_dir when train() began
         self._warned_foreign = False
+        self.missing_state: list[str] = []  # training-state files the resumed checkpoint lacks
 
     # -- train() -----------------------------------------------------------------------------
     def start(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
@@ -66,9 +70,10 @@ class CheckpointKeeper:
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.trainer.args.output_dir) or True  # stock raises
-        self.resume_step = None
+        self.resume_step = self.resume_dir = None
         if isinstance(checkpoint, (str, os.PathLike)):
             self.resume_step = _checkpoint_step(Path(checkpoint))
+            self.resume_dir = Path(checkpoint).resolve().parent
         folder = Path(self.trainer.args.output_dir)
         self.at_start = {
             path.name: step
@@ -132,6 +137,57 @@ class CheckpointKeeper:
         except (ValueError, TypeError):  # no train_dataset, or no length: stock train() says so
             return None
 
+    def report_missing_state(self, checkpoint: str | bool | None) -> None:
+        """One warning naming the training-state files the resumed checkpoint lacks, and what
+        each costs; remembered in :attr:`missing_state`.
+
+        Why: stock ``train`` resumes a checkpoint without ``optimizer.pt``/``scheduler.pt`` (one
+        saved with ``save_only_model``, or copied without them) with a fresh optimizer and a
+        learning-rate schedule that starts its warm-up again, and one without ``rng_state.pth``
+        with other dropout masks and data order: the resumed run silently differs from the one
+        that was interrupted. Warned rather than refused, because such a checkpoint is usually
+        saved that way on purpose and the model weights are what it carries; the warning is the
+        first line about the resume, so the choice is the user's, informed. DeepSpeed and FSDP
+        lay their state out differently and are left to their own loaders.
+        """
+        self.missing_state = []
+        if not isinstance(checkpoint, (str, os.PathLike)):
+            return
+        trainer = self.trainer
+        folder = Path(checkpoint)
+        if not folder.is_dir() or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            return
+        costs = {
+            _OPTIMIZER_FILE: "the optimizer starts afresh (no momentum/Adam statistics)",
+            _SCHEDULER_FILE: "the learning-rate schedule starts again (warm-up included)",
+            _RNG_FILE: "dropout masks and data order differ from an uninterrupted run",
+            _SCALER_FILE: "the loss scale restarts at its initial value",
+        }
+        missing = [
+            name for name in (_OPTIMIZER_FILE, _SCHEDULER_FILE) if not (folder / name).is_file()
+        ]
+        if not any(folder.glob("rng_state*.pth")):
+            missing.append(_RNG_FILE)
+        if trainer.loss_scaler is not None and not (folder / _SCALER_FILE).is_file():
+            saved = (_read_amp_state(folder) or {}).get("precision")
+            if saved in (None, "fp16"):  # another precision's checkpoint is said in load_scaler
+                missing.append(_SCALER_FILE)
+        if not missing:
+            return
+        self.missing_state = missing
+        if _OPTIMIZER_FILE in missing or _SCHEDULER_FILE in missing:
+            # Stock loads the two together: without either, neither is loaded.
+            said = [costs[_OPTIMIZER_FILE], costs[_SCHEDULER_FILE]]
+        else:
+            said = []
+        said += [costs[name] for name in (_RNG_FILE, _SCALER_FILE) if name in missing]
+        logger.warning(
+            "Resuming %s, which has no %s (saved with save_only_model?): %s.",
+            folder,
+            " / ".join(missing),
+            "; ".join(said),
+        )
+
     # -- _save_checkpoint() ------------------------------------------------------------------
     def save(self, run_dir: str | os.PathLike, save: Callable[[], None]) -> None:
         """Run ``save`` (stock ``_save_checkpoint``, into ``run_dir``), then add the amp state.
@@ -147,6 +203,7 @@ class CheckpointKeeper:
         folder = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.trainer.state.global_step}"
         existed = folder.exists()
         limit = args.save_total_limit
+        self._move_aside_if_foreign(run_dir, folder)
         foreign = self._foreign_checkpoints(run_dir)
         try:
             if foreign and limit:
@@ -169,14 +226,51 @@ class CheckpointKeeper:
         if foreign and limit and args.should_save:
             self._rotate_own_checkpoints(run_dir, foreign, limit)
 
-    def _foreign_checkpoints(self, run_dir: Path) -> set[str]:
-        """Checkpoints of another run that were in ``run_dir`` when training started."""
+    def _foreign_names(self, run_dir: Path) -> set[str]:
+        """Names of the checkpoints in ``run_dir`` at the start that belong to another run: all
+        of them, unless this run resumed one of ``run_dir``'s own (then those after it)."""
         if Path(self.trainer.args.output_dir).resolve() != run_dir.resolve():
             return set()  # hyperparameter-search trial folders: stock behaviour
-        resumed = self.resume_step
-        foreign = {
-            name for name, step in self.at_start.items() if resumed is None or step > resumed
-        }
+        resumed = self.resume_step if self.resume_dir == run_dir.resolve() else None
+        return {name for name, step in self.at_start.items() if resumed is None or step > resumed}
+
+    def _move_aside_if_foreign(self, run_dir: Path, folder: Path) -> None:
+        """Move another run's ``checkpoint-N`` out of the way before this run writes its own.
+
+        Why: stock ``_save_checkpoint`` writes into an existing ``checkpoint-N`` and so replaces
+        another run's checkpoint of the same step (``--reuse_output_dir``: a new run's
+        checkpoint-4 and checkpoint-8 overwrote the previous run's). The previous one is renamed,
+        whole, to ``previous-run-checkpoints[-K]/checkpoint-N`` (a name neither
+        ``get_last_checkpoint`` nor rotation picks up), and a warning says where it went. The
+        decision comes from what every rank saw at the start, so all ranks wait at the same
+        barrier while the main process moves it.
+        """
+        if folder.name not in self._foreign_names(run_dir):
+            return
+        args = self.trainer.args
+        if args.should_save and folder.is_dir():
+            for index in range(1, 1000):
+                suffix = "" if index == 1 else f"-{index}"
+                keep = run_dir / f"previous-run-checkpoints{suffix}" / folder.name
+                if not keep.exists():
+                    break
+            keep.parent.mkdir(exist_ok=True)
+            os.replace(folder, keep)
+            logger.warning(
+                "%s was there before this run started (another run's, or a later step of the run "
+                "resumed): moved it to %s so that this run's %s does not overwrite it.",
+                folder,
+                keep,
+                folder.name,
+            )
+        self.at_start.pop(folder.name, None)
+        accelerator = getattr(self.trainer, "accelerator", None)
+        if accelerator is not None and accelerator.num_processes > 1:
+            accelerator.wait_for_everyone()
+
+    def _foreign_checkpoints(self, run_dir: Path) -> set[str]:
+        """Checkpoints of another run that were in ``run_dir`` when training started."""
+        foreign = self._foreign_names(run_dir)
         if foreign and not self._warned_foreign:
             self._warned_foreign = True
             logger.warning(
@@ -267,7 +361,7 @@ class CheckpointKeeper:
                     path.name,
                     scaler.get_scale(),
                 )
-            else:
+            elif _SCALER_FILE not in self.missing_state:  # else said with the other files
                 logger.warning(
                     "%s has no %s: the loss scaler starts afresh at scale %g instead of where the "
                     "run left it (expect extra skipped steps, and a shifted LR schedule).",
@@ -277,7 +371,7 @@ class CheckpointKeeper:
                 )
             return
         given = scaler.state_dict()
-        load(checkpoint)
+        _load_scaler_file(path / _SCALER_FILE, lambda: load(checkpoint))
         self._report_scaler_overrides(given, scaler.state_dict(), saved, path.name)
 
     def _report_scaler_overrides(
@@ -330,6 +424,36 @@ def _read_amp_state(checkpoint: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _load_scaler_file(path: Path, load: Callable[[], None]) -> None:
+    """``load()`` (stock ``_load_scaler``), with a damaged ``scaler.pt`` said in one line naming it.
+
+    Why: torch reports a truncated file as ``EOFError: EOFError`` or ``PytorchStreamReader
+    failed reading zip archive``, and a file that does not hold plain numbers with advice to
+    pass ``weights_only=False``, which would run whatever code the file holds; the scaler's own
+    validation (``skipped`` > ``steps``, a negative counter) names the field, not the file.
+    A ``ValueError`` (a usage error: the file is the user's to fix) names the file, the reason
+    and what to do instead.
+    """
+    try:
+        load()
+    except Exception as err:  # torch.load and load_state_dict raise many types
+        if is_disk_full(err):
+            raise
+        text = " ".join(str(err).split())
+        if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
+            reason = (
+                "not a scaler state of plain numbers (refused unread: loading it could run code)"
+            )
+        elif isinstance(err, EOFError) or "zip archive" in text or "central directory" in text:
+            reason = "truncated or not a torch file"
+        else:
+            reason = f"{type(err).__name__}: {text.split('. ')[0]}" if text else type(err).__name__
+        raise ValueError(
+            f"{path} is unreadable ({reason}). Resume from another checkpoint, or delete "
+            f"{path.name} to start the loss scaler afresh (a warning will say so)."
+        ) from err
 
 
 def _saved_scale(path: Path) -> float | None:

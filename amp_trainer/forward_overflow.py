@@ -414,9 +414,24 @@ class ForwardOverflowGuard:
                         describe_module(self.model, found.first),
                     )
                     break
+                if found.output_finite and first is None:
+                    # Nothing to name, but never a silent skip: the loss was non-finite.
+                    logger.warning(
+                        "Step %d: the loss was non-finite, but the batch's re-run is finite (a "
+                        "loss that is not a function of the batch alone?); the step was skipped "
+                        "and the loss scale left alone.",
+                        self._steps,
+                    )
                 if not found.output_finite and first is None:
                     fp32 = self._probe(inputs, fp16=False)
                     self._raise_if_fp32_fails(fp32, None)
+                    if self.policy == "raise":
+                        raise LossScaleError(
+                            f"Step {self._steps}: the loss overflows FP16 while every module's "
+                            "output is finite (the loss computation; finite in FP32). Loss "
+                            "scaling cannot fix this: compute the loss in FP32 (outside "
+                            "autocast, on .float() logits), or train in bf16."
+                        )
                     logger.warning(
                         "Step %d: the loss was non-finite in FP16 but no module's output was: "
                         "the overflow is in the loss computation. Compute the loss in FP32 "
@@ -636,7 +651,14 @@ class ForwardOverflowGuard:
         if fp32.first is None and fp32.output_finite:
             return
         where = fp32.first or culprit
-        named = describe_module(self.model, where) if where is not None else "the loss"
+        if where is None:  # every module's output finite: the loss computed from them is not
+            raise NonFiniteForwardError(
+                f"Step {self._steps}: the loss is non-finite in pure FP32 too while every "
+                "module's output is finite, so this is the loss computation, not FP16 nor the "
+                "model: a custom compute_loss or compute_loss_func, label_smoothing_factor, or "
+                "the loss function's inputs (labels out of range, log(0), division by zero)."
+            )
+        named = describe_module(self.model, where)
         raise NonFiniteForwardError(
             f"Step {self._steps}: the forward pass is non-finite in pure FP32 too, so this is "
             f"the model or the data, not FP16: the first module to produce inf/NaN in FP32 is "

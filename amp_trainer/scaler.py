@@ -1055,6 +1055,12 @@ class DynamicLossScaler:
                 raise TypeError(f"scaler state {key!r} must be an int, got {value!r}")
             if value < 0:
                 raise ValueError(f"scaler state {key!r} must be >= 0, got {value!r}")
+        if counters["skipped"] > counters["steps"]:
+            # Every skipped step is a step: a state saying otherwise was edited or damaged.
+            raise ValueError(
+                f"scaler state 'skipped' must be <= 'steps' ({counters['steps']}), got "
+                f"{counters['skipped']}"
+            )
         if hysteresis_tracker > cfg["hysteresis"]:
             raise ValueError(
                 f"scaler state '_hysteresis_tracker' must be <= hysteresis ({cfg['hysteresis']}), "

@@ -419,7 +419,19 @@ class AmpTrainerMixin(Trainer):
                     self.loss_scaler,
                     policy=policy,
                     on_divergence=getattr(self.args, "on_divergence", "raise"),
+                    forward=self._loss_of_batch,
                 )
+
+    def _loss_of_batch(self, model: nn.Module, inputs: Any) -> Any:
+        """The forward-overflow guard's re-run of a batch: the loss this Trainer trains on.
+
+        Why not ``model(**inputs)``: a loss computed outside the model (a custom
+        ``compute_loss``, ``label_smoothing_factor``, ``compute_loss_func``) could be NaN while
+        the model's own output is finite, and the re-run then saw nothing wrong: the step was
+        skipped without a word, every step after it too. ``_prepare_inputs`` copies the batch,
+        since ``compute_loss`` pops ``labels`` from what it is given.
+        """
+        return self.compute_loss(model, self._prepare_inputs(inputs))
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         loss = super().training_step(model, inputs, *args, **kwargs)
@@ -505,6 +517,7 @@ class AmpTrainerMixin(Trainer):
         if done is not None:
             return done
         self._forget_evaluation_prepare()
+        self._checkpoints.report_missing_state(checkpoint)
         return super().train(
             resume_from_checkpoint=checkpoint,
             trial=trial,

@@ -199,6 +199,9 @@ class AmpTrainingArguments(TrainingArguments):
         self.loss_scaler_kwargs()  # validate the knobs now, not at the first optimizer step
         check_policy(self.on_forward_overflow)
         check_divergence_policy(self.on_divergence)
+        smoothing = self.label_smoothing_factor
+        if not 0.0 <= smoothing <= 1.0:  # stock accepts nan: every loss NaN, every step skipped
+            raise ValueError(f"label_smoothing_factor must be in [0, 1], got {smoothing!r}")
         if isinstance(self.fp32_modules, str):
             self.fp32_modules = [self.fp32_modules]
         limit = self.max_consecutive_skipped_steps

@@ -96,7 +96,9 @@ def compute_metrics(eval_pred) -> dict[str, float]:
 
 def main(argv: list[str]) -> None:
     # ---- config: the YAML file and flags; the user's choices are checked before anything costly
-    run = RecipeRun.parse("finetune_bert", argv, ModelArguments, DataArguments, DEFAULT_CONFIG)
+    run = RecipeRun.parse(
+        "finetune_bert", argv, ModelArguments, DataArguments, DEFAULT_CONFIG, task=CLASSIFICATION
+    )
     model_args, data_args, training_args = run.model_args, run.data_args, run.training_args
     check_sequence_length(
         model_args.model_name_or_path, data_args.max_seq_length, "--max_seq_length"
@@ -139,6 +141,7 @@ def main(argv: list[str]) -> None:
             texts,
             model_args.tokenizer_vocab_size,
             data_args.max_seq_length,
+            checkpoint=training_args.resume_from_checkpoint,  # resuming: the checkpoint's own
         )
         encoded = tokenize_classification(data, tokenizer, data_args.max_seq_length)
 

@@ -110,7 +110,9 @@ def perplexity(eval_loss: float | None) -> float | None:
 
 def main(argv: list[str]) -> None:
     # ---- config: the YAML file and flags; the user's choices are checked before anything costly
-    run = RecipeRun.parse("finetune_gpt2", argv, ModelArguments, DataArguments, DEFAULT_CONFIG)
+    run = RecipeRun.parse(
+        "finetune_gpt2", argv, ModelArguments, DataArguments, DEFAULT_CONFIG, task=CAUSAL_LM
+    )
     model_args, data_args, training_args = run.model_args, run.data_args, run.training_args
     check_sequence_length(
         model_args.model_name_or_path, data_args.block_size, "--block_size", bounded=False
@@ -134,7 +136,10 @@ def main(argv: list[str]) -> None:
     # then concatenate and chunk
     with run.phase("tokenizer and map"), training_args.main_process_first(desc="tokenizer"):
         tokenizer = causal_lm_tokenizer(
-            model_args.model_name_or_path, corpus["train"]["text"], model_args.tokenizer_vocab_size
+            model_args.model_name_or_path,
+            corpus["train"]["text"],
+            model_args.tokenizer_vocab_size,
+            checkpoint=training_args.resume_from_checkpoint,  # resuming: the checkpoint's own
         )
         block_size = min(data_args.block_size, tokenizer.model_max_length)
         blocks = tokenize_and_chunk(corpus, tokenizer, block_size)

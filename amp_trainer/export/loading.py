@@ -5,6 +5,7 @@ Part of :mod:`amp_trainer.export`, which re-exports the names users need.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -62,6 +63,8 @@ def load_tokenizer(path_or_id: str | os.PathLike[str]) -> Any | None:
     if local.is_dir() and not any((local / name).is_file() for name in _TOKENIZER_FILES):
         logger.info("No tokenizer files in %s; parity uses random token ids.", local)
         return None
+    if local.is_dir():
+        _check_tokenizer_files(local)
 
     try:
         return AutoTokenizer.from_pretrained(path_or_id)
@@ -90,6 +93,32 @@ def load_processor(path_or_id: str | os.PathLike[str]) -> Any | None:
     except (OSError, ValueError, TypeError, KeyError) as err:
         logger.info("No processor at %s (%s); sample inputs follow the config.", path_or_id, err)
         return None
+
+
+def _check_tokenizer_files(folder: Path) -> None:
+    """Refuse a model folder whose tokenizer JSON files do not parse, naming the file.
+
+    Why: a truncated ``tokenizer.json`` made :func:`load_tokenizer` return ``None`` (it read as
+    "no tokenizer"), so the export ran parity on random ids, wrote no tokenizer and said PASSED.
+    A tokenizer the user saved and that cannot be read is an error to fix, not an absence.
+    """
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ValueError(
+                f"{file} is unreadable ({_first_line(err)}): truncated or not JSON. Restore it "
+                "from the training run (it is in every checkpoint), or remove the tokenizer files "
+                "to export with random-id parity."
+            ) from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = None) -> nn.Module:

@@ -137,35 +137,76 @@ class RunArguments:
         default=False,
         metadata={
             "help": "Start a new run in an output_dir that holds a previous run (metrics.json or "
-            "checkpoints; its checkpoints are kept, never rotated away). Without it such an "
-            "output_dir is refused; resuming (--resume_from_checkpoint) needs no flag."
+            "checkpoints): its final model, metrics.json and export are replaced, its "
+            "checkpoints are kept (never rotated away; one this run would overwrite is moved to "
+            "previous-run-checkpoints/ first). Without it such an output_dir is refused; "
+            "resuming one of its own checkpoints (--resume_from_checkpoint) needs no flag."
         },
     )
 
 
-def check_output_dir(output_dir: str | os.PathLike[str], *, reuse: bool, resuming: bool) -> None:
-    """Refuse an ``output_dir`` that is a file, or holds a previous run, before any work.
+def check_output_dir(
+    output_dir: str | os.PathLike[str],
+    *,
+    reuse: bool,
+    resuming: bool,
+    resume_from: str | os.PathLike[str] | None = None,
+    model: str | os.PathLike[str] | None = None,
+) -> None:
+    """Refuse an ``output_dir`` that is a file, the model folder, or holds a previous run,
+    before any work.
 
     A second run into a finished run's folder would overwrite its model, metrics.json and
-    export, and stock ``save_total_limit`` rotation would delete its checkpoints.
+    export, and stock ``save_total_limit`` rotation would delete its checkpoints. Resuming needs
+    no flag only when the checkpoint is one of ``output_dir``'s own (``resume_from``, the
+    ``--resume_from_checkpoint`` value; ``resuming`` without it means so): a checkpoint of
+    another folder resumed into a folder holding a run would write over that run. ``model``
+    (``--model_name_or_path``): the final save would replace the source model with the
+    fine-tuned one, so an ``output_dir`` that is that folder is refused, as the exporter does.
     """
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
         raise UsageError(f"output_dir {str(path)!r} exists and is not a folder")
-    if reuse or resuming or not path.is_dir():
+    if model is not None:
+        source = Path(os.path.expanduser(str(model)))
+        if source.is_dir() and path.is_dir() and source.resolve() == path.resolve():
+            raise UsageError(
+                f"output_dir {str(path)!r} is the model folder being fine-tuned "
+                f"(model_name_or_path {str(model)!r}): saving would replace the source model "
+                "with the fine-tuned one. Choose another output_dir."
+            )
+    own_checkpoint = resuming
+    if resume_from is not None:
+        checkpoint = Path(resume_from)
+        if not checkpoint.is_dir():
+            raise UsageError(
+                f"resume_from_checkpoint {str(resume_from)!r} is not a folder: pass a "
+                "checkpoint-N folder written by a previous run"
+            )
+        own_checkpoint = path.is_dir() and checkpoint.resolve().parent == path.resolve()
+    if reuse or own_checkpoint or not path.is_dir():
         return
     previous = sorted(
         entry.name
         for entry in path.iterdir()
         if entry.name == "metrics.json" or entry.name.startswith("checkpoint-")
     )
-    if previous:
-        shown = ", ".join(previous[:3]) + (" ..." if len(previous) > 3 else "")
+    if not previous:
+        return
+    shown = ", ".join(previous[:3]) + (" ..." if len(previous) > 3 else "")
+    if resume_from is not None:
         raise UsageError(
-            f"output_dir {str(path)!r} holds a previous run ({shown}); pass "
-            "--resume_from_checkpoint to continue it, --reuse_output_dir true to start a new run "
-            "there (its checkpoints are kept), or choose another output_dir"
+            f"output_dir {str(path)!r} holds another run ({shown}); resuming "
+            f"{str(resume_from)!r} (a checkpoint of another folder) there would overwrite it. "
+            f"Resume into the checkpoint's own folder (--output_dir "
+            f"{str(Path(resume_from).parent)!r}), choose another output_dir, or pass "
+            "--reuse_output_dir true to keep both there"
         )
+    raise UsageError(
+        f"output_dir {str(path)!r} holds a previous run ({shown}); pass "
+        "--resume_from_checkpoint to continue it, --reuse_output_dir true to start a new run "
+        "there (its checkpoints are kept), or choose another output_dir"
+    )
 
 
 def _raise_usage_error(message: str) -> NoReturn:

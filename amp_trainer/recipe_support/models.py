@@ -18,9 +18,12 @@ batch, learning rate) for the doctor.
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from amp_trainer.recipe_support.data import (
@@ -54,10 +57,16 @@ __all__ = [
     "check_labels_against_model",
     "check_model_path",
     "check_sequence_length",
+    "checkpoint_tokenizer",
     "classification_tokenizer",
     "load_recipe_batch",
     "resolve_model_path",
 ]
+
+logger = logging.getLogger(__name__)
+
+# What a checkpoint holds when the Trainer saved its tokenizer (processing_class) in it.
+_CHECKPOINT_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 #: ``--model_name_or_path`` value for the pretrained MiniLM-L6 of the ``offline`` extra.
 OFFLINE_MINILM = "offline:all-MiniLM-L6-v2"
@@ -98,12 +107,23 @@ RECIPE_KEYS: dict[str, frozenset[str]] = {
 }
 
 
-def check_model_path(name: str) -> None:
+def check_model_path(name: str, task: str | None = None) -> None:
     """Refuse a local ``model_name_or_path`` that is not a model folder, in words a user reads.
 
     transformers would fail later, after the data is loaded, with a message about tokenizer
     backends or a missing file; a name that is no local path is left to ``from_pretrained``.
+    ``task`` (:data:`CLASSIFICATION` or :data:`CAUSAL_LM`, the recipe's): the other recipe's
+    from-scratch name is refused, since its sizes are another architecture's keywords (the BERT
+    recipe given ``tiny-gpt2`` built an 87.6M-parameter BERT-base from them).
     """
+    if task is not None and name in _TINY_TASK and _TINY_TASK[name] != task:
+        own = next(tiny for tiny, kind in _TINY_TASK.items() if kind == task)
+        raise DataError(
+            f"model_name_or_path {name!r} is the from-scratch model of the {_TINY_TASK[name]} "
+            f"recipe ({_RECIPE_SCRIPTS[_TINY_TASK[name]]}); this {task} recipe takes {own!r}, "
+            + (f"{OFFLINE_MINILM!r}, " if task == CLASSIFICATION else "")
+            + "a hub id or a local model folder"
+        )
     if name in TINY_MODEL_CONFIGS or name == OFFLINE_MINILM:
         return
     path = os.path.expanduser(name)
@@ -164,10 +184,69 @@ def resolve_model_path(name_or_path: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def checkpoint_tokenizer(checkpoint: str | os.PathLike[str], name: str) -> Any | None:
+    """The tokenizer saved in the checkpoint being resumed, ``None`` if it holds none.
+
+    Why: a from-scratch model's tokenizer is *trained*, and tokenizer training is not
+    deterministic (WordPiece ties break differently from one process to the next). Retraining it
+    on resume, on a new node or with a cleared cache, would feed the checkpoint ids of another
+    vocabulary: hundreds of the 2000 ids change, and the run goes on without an error. The
+    checkpoint's own ``tokenizer.json`` is the only one the model was trained with. A tiny model's
+    checkpoint without one cannot be resumed faithfully, so that is refused; a pretrained model's
+    tokenizer is re-read from ``name`` (it is a file, not retrained).
+    """
+    folder = Path(checkpoint)
+    if not any((folder / file).is_file() for file in _CHECKPOINT_TOKENIZER_FILES):
+        if name in TINY_MODEL_CONFIGS:
+            raise DataError(
+                f"checkpoint {str(folder)!r} holds no tokenizer.json: the tokenizer {name!r} was "
+                "trained with cannot be rebuilt identically (tokenizer training is not "
+                "deterministic). Resume from a checkpoint saved with its tokenizer (the recipes "
+                "save it in every checkpoint), or start a new run."
+            )
+        return None
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if (folder / file).is_file():
+            try:
+                json.loads((folder / file).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError) as err:
+                raise DataError(
+                    f"{folder / file} is unreadable ({_first_line(err)}): the checkpoint's "
+                    "tokenizer is damaged. Restore it from a copy, or resume from another "
+                    "checkpoint."
+                ) from None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as err:  # tokenizers raises bare Exceptions for a garbled file
+        raise DataError(
+            f"cannot load the tokenizer saved in checkpoint {str(folder)!r}: {_first_line(err)}"
+        ) from None
+    logger.info("Resuming: the tokenizer is the checkpoint's (%s), not retrained", folder)
+    return tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def classification_tokenizer(
-    name: str, train_texts: Sequence[str], vocab_size: int, max_length: int
+    name: str,
+    train_texts: Sequence[str],
+    vocab_size: int,
+    max_length: int,
+    *,
+    checkpoint: str | os.PathLike[str] | None = None,
 ) -> PreTrainedTokenizerBase:
-    """A WordPiece tokenizer trained on ``train_texts`` for a tiny model, else ``name``'s own."""
+    """A WordPiece tokenizer trained on ``train_texts`` for a tiny model, else ``name``'s own;
+    resuming (``checkpoint``), the checkpoint's own (:func:`checkpoint_tokenizer`)."""
+    if checkpoint is not None:
+        tokenizer = checkpoint_tokenizer(checkpoint, name)
+        if tokenizer is not None:
+            tokenizer.model_max_length = max_length
+            return tokenizer
     if name in TINY_MODEL_CONFIGS:
         return train_wordpiece_tokenizer(train_texts, vocab_size, max_length)
     from transformers import AutoTokenizer
@@ -176,11 +255,22 @@ def classification_tokenizer(
 
 
 def causal_lm_tokenizer(
-    name: str, train_texts: Sequence[str], vocab_size: int
+    name: str,
+    train_texts: Sequence[str],
+    vocab_size: int,
+    *,
+    checkpoint: str | os.PathLike[str] | None = None,
 ) -> PreTrainedTokenizerBase:
     """A byte-level BPE tokenizer trained on ``train_texts`` for a tiny model, else ``name``'s own
     (with EOS as its padding token: GPT-2 has none; never used for padding, since blocks are
-    chunked to one length, but ``generate()`` and collators want one)."""
+    chunked to one length, but ``generate()`` and collators want one); resuming
+    (``checkpoint``), the checkpoint's own (:func:`checkpoint_tokenizer`)."""
+    if checkpoint is not None:
+        tokenizer = checkpoint_tokenizer(checkpoint, name)
+        if tokenizer is not None:
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            return tokenizer
     if name in TINY_MODEL_CONFIGS:
         return train_byte_level_bpe_tokenizer(train_texts, vocab_size)
     from transformers import AutoTokenizer

@@ -216,9 +216,12 @@ class RecipeRun:
         model_class: type,
         data_class: type,
         default_config: str | os.PathLike[str],
+        *,
+        task: str | None = None,
     ) -> RecipeRun:
         """Parse the flags (over ``--config FILE``, else ``default_config``) and check the
-        output folder and the model path: a bad value costs seconds, not a built model."""
+        output folder and the model path (``task``: the recipe's, :data:`CLASSIFICATION` or
+        :data:`CAUSAL_LM`): a bad value costs seconds, not a built model."""
         # Read by the CUDA caching allocator when it starts; it cuts fragmentation with mixed
         # dtypes.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -235,8 +238,10 @@ class RecipeRun:
             training_args.output_dir,
             reuse=run_args.reuse_output_dir,
             resuming=training_args.resume_from_checkpoint is not None,
+            resume_from=training_args.resume_from_checkpoint,
+            model=model_args.model_name_or_path,
         )
-        check_model_path(model_args.model_name_or_path)
+        check_model_path(model_args.model_name_or_path, task)
         return cls(name, model_args, data_args, training_args, started, argv=tuple(argv))
 
     def start(self, *, count_input_tokens: str) -> None:
