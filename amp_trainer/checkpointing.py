@@ -157,23 +157,24 @@ class CheckpointKeeper:
         folder = Path(checkpoint)
         if not folder.is_dir() or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
             return
+        scaler = trainer.loss_scaler
         costs = {
             _OPTIMIZER_FILE: "the optimizer starts afresh (no momentum/Adam statistics)",
             _SCHEDULER_FILE: "the learning-rate schedule starts again (warm-up included)",
             _RNG_FILE: "dropout masks and data order differ from an uninterrupted run",
-            _SCALER_FILE: "the loss scale restarts at its initial value",
+            _SCALER_FILE: f"the loss scale restarts at {scaler.get_scale() if scaler else 1:g}",
         }
         missing = [
             name for name in (_OPTIMIZER_FILE, _SCHEDULER_FILE) if not (folder / name).is_file()
         ]
         if not any(folder.glob("rng_state*.pth")):
             missing.append(_RNG_FILE)
-        if trainer.loss_scaler is not None and not (folder / _SCALER_FILE).is_file():
+        if not missing:
+            return  # scaler.pt alone missing: load_scaler's own warning says it
+        if scaler is not None and not (folder / _SCALER_FILE).is_file():
             saved = (_read_amp_state(folder) or {}).get("precision")
             if saved in (None, "fp16"):  # another precision's checkpoint is said in load_scaler
                 missing.append(_SCALER_FILE)
-        if not missing:
-            return
         self.missing_state = missing
         if _OPTIMIZER_FILE in missing or _SCHEDULER_FILE in missing:
             # Stock loads the two together: without either, neither is loaded.

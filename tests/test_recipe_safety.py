@@ -208,3 +208,27 @@ def test_each_recipe_refuses_the_other_recipes_from_scratch_model(name, task, ot
     with pytest.raises(DataError, match=rf"{name!r} is the from-scratch model of .*{other}"):
         check_model_path(name, task)
     check_model_path(name)  # without a task (the doctor detects it from the config): no check
+
+
+def test_the_gpt2_recipes_tokenizer_on_resume_is_the_checkpoints_and_a_damaged_one_is_named(
+    tmp_path, monkeypatch
+):
+    from amp_trainer.recipe_support.data import DataError
+    from amp_trainer.recipe_support.models import causal_lm_tokenizer
+    from amp_trainer.recipe_support.tokenizers import train_byte_level_bpe_tokenizer
+
+    monkeypatch.setenv("AMP_TRAINER_CACHE", str(tmp_path / "cache"))
+    texts = [f"the quick brown fox number {i} jumps over the lazy dog" for i in range(50)]
+    checkpoint = tmp_path / "checkpoint-2"
+    train_byte_level_bpe_tokenizer(texts, vocab_size=300).save_pretrained(checkpoint)
+    shutil.rmtree(tmp_path / "cache")
+    # No texts to train on: a retrain would fail; the checkpoint's tokenizer needs none.
+    resumed = causal_lm_tokenizer("tiny-gpt2", [], 300, checkpoint=checkpoint)
+    saved = json.loads((checkpoint / "tokenizer.json").read_text())["model"]["vocab"]
+    assert resumed.get_vocab() == saved and resumed.pad_token == "<|endoftext|>"
+    assert not (tmp_path / "cache").exists()
+
+    file = checkpoint / "tokenizer.json"
+    file.write_bytes(file.read_bytes()[:200])
+    with pytest.raises(DataError, match=rf"^{file} is unreadable \("):
+        causal_lm_tokenizer("tiny-gpt2", texts, 300, checkpoint=checkpoint)
