@@ -211,6 +211,35 @@ def test_a_new_run_moves_another_runs_checkpoint_of_the_same_step_aside(tmp_path
     assert any(f"moved it to {kept}" in r.getMessage() for r in caplog.records)
 
 
+def test_resuming_another_folders_checkpoint_spares_every_checkpoint_of_the_output_dir(tmp_path):
+    """A checkpoint resumed from another folder makes every checkpoint of ``output_dir`` another
+    run's, whatever its step (before, one at or below the resumed step counted as this run's and
+    ``save_total_limit`` rotation deleted it)."""
+    args = dict(max_steps=2, save_strategy="steps", save_steps=2)
+    for folder in ("other", "finished"):
+        AmpTrainer(
+            model=make_tiny_bert(),
+            args=tiny_training_args(tmp_path / folder, **args),
+            train_dataset=dataset(),
+        ).train()
+    finished = tmp_path / "finished" / "checkpoint-2"
+    before = {p.name: p.read_bytes() for p in finished.iterdir()}
+    resumed = AmpTrainer(
+        model=make_tiny_bert(),
+        args=tiny_training_args(
+            tmp_path / "finished",
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=4,
+            save_total_limit=1,
+        ),
+        train_dataset=dataset(),
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "other" / "checkpoint-2"))
+    assert {p.name: p.read_bytes() for p in finished.iterdir()} == before
+    assert (tmp_path / "finished" / "checkpoint-4").is_dir()
+
+
 # ---- 8. amp-trainer export with a truncated tokenizer.json ---------------------------------
 @pytest.mark.slow
 def test_cli_export_with_a_truncated_tokenizer_json_is_one_line_exit_2_nothing_written(
