@@ -10,7 +10,12 @@ Stock ``Trainer`` saves ``scaler.pt`` (which holds our scaler's whole state) and
 * resuming a finished run (the checkpoint of its last step) trains nothing and returns the run's
   final metrics, where stock ``train`` trains one more step every time;
 * a full disk is one ``OSError(ENOSPC)`` naming the checkpoint, without a half-written folder;
-* ``save_total_limit`` rotation spares the checkpoints of another run found in ``output_dir``;
+* ``save_total_limit`` rotation spares the checkpoints of another run found in ``output_dir``
+  (all of them when the checkpoint resumed is another folder's), and another run's
+  ``checkpoint-N`` of the step being saved is moved to ``previous-run-checkpoints/``, not
+  overwritten;
+* a resumed checkpoint without its optimizer, scheduler, RNG or scaler state is one warning
+  naming the files and what each costs; a damaged ``scaler.pt`` is one ``ValueError`` naming it;
 * resuming in another precision, without ``scaler.pt``, or with ``loss_scale_*`` arguments the
   saved scaler state overrides is said in a warning, not silent (and not a crash).
 """

@@ -417,9 +417,10 @@ class ForwardOverflowGuard:
                 if found.output_finite and first is None:
                     # Nothing to name, but never a silent skip: the loss was non-finite.
                     logger.warning(
-                        "Step %d: the loss was non-finite, but the batch's re-run is finite (a "
-                        "loss that is not a function of the batch alone?); the step was skipped "
-                        "and the loss scale left alone.",
+                        "Step %d: the loss was non-finite, but the guard's re-run of the batch is "
+                        "finite: the loss is computed outside what it re-runs (give the guard "
+                        "forward=, a function returning the loss), or is not a function of the "
+                        "batch alone. The step was skipped, the loss scale left alone.",
                         self._steps,
                     )
                 if not found.output_finite and first is None:

@@ -103,6 +103,27 @@ def test_a_loss_overflowing_fp16_outside_the_model_follows_the_forward_overflow_
     assert scaler.get_scale() == 65536.0  # a forward overflow does not back the scale off
 
 
+def test_a_nan_loss_the_guards_re_run_cannot_see_is_said_not_skipped_silently(caplog):
+    """A plain loop whose loss is computed outside the model, with the guard's default re-run
+    (the model alone): the re-run is finite, and the skipped step is still said."""
+    from amp_trainer.forward_overflow import ForwardOverflowGuard
+
+    model = make_tiny_bert()
+    scaler = DynamicLossScaler("cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = ForwardOverflowGuard(model, scaler)
+    batch = {"input_ids": torch.randint(5, 128, (4, 16)), "labels": torch.tensor([0, 1, 0, 1])}
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(**batch).loss * float("nan")
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    with caplog.at_level(logging.WARNING, logger="amp_trainer"):
+        guard.after_step(loss, batch)
+    assert scaler.step_was_skipped
+    assert any("the guard's re-run of the batch is finite" in r.message for r in caplog.records)
+
+
 # ---- 5. a checkpoint without the optimizer, scheduler, RNG or scaler state ----------------
 def test_resuming_a_save_only_model_checkpoint_says_what_it_lacks_in_one_warning(tmp_path, caplog):
     args = dict(max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True)
