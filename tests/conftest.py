@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +48,32 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def run_two_gloo_ranks(worker: Path, out_dir: Path, *, timeout: float = 300) -> None:
+    """Run ``worker out_dir`` as two gloo ranks under torchrun (``--standalone`` picks a free
+    port), as a user's ``torchrun --nproc_per_node 2`` would; fail with both ranks' output.
+
+    The worker writes what the tests check into ``out_dir`` (``rank<N>.json`` and tensors)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        str(out_dir),
+    ]
+    result = subprocess.run(
+        command,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
 @pytest.fixture

@@ -6,14 +6,12 @@ One launch of tests/workers/ddp_overflow.py (start-up dominates the cost) feeds 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, run_two_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -23,20 +21,7 @@ WORKER = REPO_ROOT / "tests" / "workers" / "ddp_overflow.py"
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
     out_dir: Path = tmp_path_factory.mktemp("ddp_overflow")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(WORKER),
-        str(out_dir),
-    ]
-    result = subprocess.run(
-        command, env=subprocess_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run_two_gloo_ranks(WORKER, out_dir, timeout=240)
     return [
         (
             json.loads((out_dir / f"rank{r}.json").read_text()),

@@ -8,14 +8,12 @@ uses DDP), so the sharded code paths are exercised with ``fully_shard`` directly
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED, subprocess_env
+from tests.conftest import REPO_ROOT, XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED, run_two_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -25,20 +23,7 @@ WORKER = REPO_ROOT / "tests" / "workers" / "fsdp2_scaleout.py"
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[tuple[dict, Path]]:
     out_dir: Path = tmp_path_factory.mktemp("fsdp2_scaleout")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(WORKER),
-        str(out_dir),
-    ]
-    result = subprocess.run(
-        command, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run_two_gloo_ranks(WORKER, out_dir, timeout=300)
     infos = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     assert [i["backend"] for i in infos] == ["gloo", "gloo"]
     assert [i["world_size"] for i in infos] == [2, 2]

@@ -39,7 +39,10 @@ def _monitored_run(tmp_path, steps, *, logging_steps=None, growth_interval=10**6
         **overrides,
     )
     trainer = AmpTrainer(model=torch.nn.Linear(2, 1), args=args)
-    monitor = trainer.callback_handler.callbacks[0]
+    # The monitor sits after stock's default callbacks (DefaultFlowCallback stays first).
+    monitor = next(
+        cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "_LossScaleMonitor"
+    )
     scaler, state, control = trainer.loss_scaler, trainer.state, TrainerControl()
     state.logging_steps = logging_steps or 1  # what Trainer.train() sets from the arguments
     weight = torch.nn.Parameter(torch.ones(2))

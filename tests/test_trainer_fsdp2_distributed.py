@@ -11,13 +11,11 @@ parameter policy, and a resume from step 3 ends where the uninterrupted run ends
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED, subprocess_env
+from tests.conftest import REPO_ROOT, XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED, run_two_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -27,20 +25,7 @@ WORKER = REPO_ROOT / "tests" / "workers" / "trainer_fsdp2.py"
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[tuple[dict, dict[str, torch.Tensor]]]:
     out_dir = tmp_path_factory.mktemp("trainer_fsdp2")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(WORKER),
-        str(out_dir),
-    ]
-    result = subprocess.run(
-        command, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run_two_gloo_ranks(WORKER, out_dir, timeout=300)
     return [
         (
             json.loads((out_dir / f"rank{r}.json").read_text()),

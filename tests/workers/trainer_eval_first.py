@@ -42,6 +42,7 @@ def main() -> None:
         use_cpu=True,
         fp16=True,
         max_steps=4,
+        logging_steps=1,  # scale_history keeps every logging step: one entry per step here
         per_device_train_batch_size=4,
         per_device_eval_batch_size=4,
         learning_rate=1e-2,
