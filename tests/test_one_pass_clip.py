@@ -265,12 +265,20 @@ def test_amp_trainer_clips_in_one_pass_bit_identical_to_the_two_pass_path(
         trainer.train()
         return trainer
 
+    # Transformers without Trainer._clip_grad_norm (5.0 among them) clip inline through
+    # accelerator.clip_grad_norm_(model.parameters()): parameters in model order, not the
+    # optimizer's, so the exact one-pass fold does not apply and every step unscales in two
+    # passes (3 kernels in 3 steps). The results must be the same either way.
+    from transformers import Trainer
+
+    one_pass = 1 if hasattr(Trainer, "_clip_grad_norm") else 3
     calls = _count_unscale_kernel(monkeypatch)
     one = run("one-pass")
-    assert len(calls) == one.loss_scaler.stats.skipped == 1  # the overflow step only
+    assert one.loss_scaler.stats.skipped == 1
+    assert len(calls) == one_pass  # with the hook: the overflow step only
     monkeypatch.setattr(amp_trainer.trainer, "clip_grad_norm_in_one_pass", lambda *a, **k: None)
     two = run("two-pass")
-    assert len(calls) == 1 + 3
+    assert len(calls) == one_pass + 3
 
     drop = ("epoch",)
     assert [{k: v for k, v in e.items() if k not in drop} for e in train_logs(one)] == [
