@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments
-from tests.conftest import make_tiny_bert
+from tests.conftest import leave_without_teardown, make_tiny_bert
 
 
 class Toy(torch.utils.data.Dataset):
@@ -70,6 +70,7 @@ def main() -> None:
         "scales": [entry["scale"] for entry in trainer.scale_history],
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    leave_without_teardown()
 
 
 if __name__ == "__main__":
