@@ -19,20 +19,7 @@ import torch.distributed as dist
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments
 from tests.conftest import leave_without_teardown, make_tiny_bert
-
-
-class Toy(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.input_ids = torch.randint(0, 128, (n, 8), generator=g)
-        self.labels = torch.randint(0, 2, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = self.input_ids[i]
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": self.labels[i]}
+from tests.test_trainer_support import ToyClassification
 
 
 def main() -> None:
@@ -54,8 +41,8 @@ def main() -> None:
     trainer = AmpTrainer(
         model=make_tiny_bert(seed=0),
         args=args,
-        train_dataset=Toy(32, seed=1),
-        eval_dataset=Toy(8, seed=2),
+        train_dataset=ToyClassification(32, seed=1),
+        eval_dataset=ToyClassification(8, seed=2),
     )
     metrics = trainer.evaluate()
     trainer.train()

@@ -25,20 +25,7 @@ from accelerate.utils import DistributedType
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments
 from tests.conftest import leave_without_teardown, make_tiny_bert
-
-
-class Toy(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.input_ids = torch.randint(0, 128, (n, 8), generator=g)
-        self.labels = torch.randint(0, 2, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = self.input_ids[i]
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": self.labels[i]}
+from tests.test_trainer_support import ToyClassification
 
 
 class ForcedFSDP2Trainer(AmpTrainer):
@@ -98,7 +85,9 @@ def trainer(out_dir: Path, inject: bool = False) -> ForcedFSDP2Trainer:
             "state_dict_type": "SHARDED_STATE_DICT",
         },
     )
-    run = ForcedFSDP2Trainer(model=make_tiny_bert(seed=0), args=args, train_dataset=Toy(64, seed=1))
+    run = ForcedFSDP2Trainer(
+        model=make_tiny_bert(seed=0), args=args, train_dataset=ToyClassification(64, seed=1)
+    )
     run.inject = inject
     return run
 
