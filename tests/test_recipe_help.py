@@ -47,3 +47,21 @@ def test_help_lists_config_and_the_recipe_flags_first_and_stays_short(name):
 def test_help_all_lists_every_training_argument():
     text = recipe_help("finetune_bert", "--help-all")
     assert "--adam_beta1" in text and "--lora_r" in text
+
+
+@pytest.mark.parametrize("columns", [40, 63, 69, 80, 97, 120, 200])
+def test_help_never_breaks_a_flag_or_a_path_across_lines(columns, monkeypatch):
+    """argparse wraps at the terminal's width, and ``textwrap``'s defaults break at hyphens: CI,
+    whose checkout path made the config name longer, got ``--help-`` / ``all``. Every width, and
+    a long config path, keeps ``--help-all`` and the path whole on one line."""
+    from transformers import HfArgumentParser
+
+    from amp_trainer import AmpTrainingArguments
+    from amp_trainer.recipe_support.config import RunArguments, _short_help
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    config = "/a/rather-long/checkout-path/for/ci-machines/configs/bert_offline.yaml"
+    text = _short_help(HfArgumentParser((RunArguments, AmpTrainingArguments)), config)
+    assert "--help-all lists every flag" in " ".join(text.split())
+    assert f"{config}'s" in text.split()
+    assert not [line for line in text.splitlines() if line.rstrip().endswith("-")], text

@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import tempfile
+import textwrap
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -304,6 +305,30 @@ _COMMON_TRAINING_FLAGS = (
 )
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's formatter, wrapping only at spaces.
+
+    The stock one wraps with :func:`textwrap.wrap`'s defaults, which break at hyphens and inside
+    long words: at some terminal widths ``--help-all`` came out as ``--help-`` / ``all`` and a
+    config path was cut mid-name, so a flag the user must type was not on one line.
+    """
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = " ".join(text.split())
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = " ".join(text.split())
+        return textwrap.fill(
+            text,
+            width,
+            initial_indent=indent,
+            subsequent_indent=indent,
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+
+
 def _short_help(parser: Any, config: str | os.PathLike[str] | None) -> str:
     """``--help``: ``--config``, the recipe's own flags, amp-trainer's and the common training
     flags, in that order; stock ``--help`` buries them in ~600 lines of TrainingArguments."""
@@ -325,7 +350,7 @@ def _short_help(parser: Any, config: str | os.PathLike[str] | None) -> str:
         prog=parser.prog,
         add_help=False,
         usage=f"{parser.prog} [--config FILE.yaml] [--FLAG VALUE ...]",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         description=(
             "Flags override the config file. The defaults shown are "
             + (f"{config}'s" if config else "the flags' own")
