@@ -26,6 +26,13 @@ Modes:
 * ``fp32``       - stock Trainer, no mixed precision: the baseline.
 * ``amp-fp16-no-norm-hooks`` (only when asked for in ``--modes``) - ``amp-fp16`` with
   ``keep_norms_fp32=False``: what the FP32-norm forward hooks cost.
+* ``stock-fp16-again`` (only when asked for) - stock-fp16 once more in every repeat: an A/A
+  control whose paired ratio to stock-fp16 shows this machine's noise floor (the same code
+  compared with itself).
+
+``--profile DIR`` records the timed steps with ``torch.profiler`` and prints, per mode against
+stock-fp16, the GEMM time against everything else, whether the GEMM calls are the same (operator,
+shapes, dtypes, count) and the operators whose time differs most.
 
 Speed is measured on the steady state: the wall time from the end of the warm-up steps to the end
 of the last step, taken in a TrainerCallback (with a CUDA synchronize at both ends on a GPU), so
@@ -62,7 +69,7 @@ from machine import describe_machine, format_machine
 MODES = ("amp-fp16", "stock-fp16", "amp-bf16", "fp32")
 # Not run by default: AmpTrainer fp16 without the FP32-norm forward hooks (keep_norms_fp32=False),
 # to measure what those hooks cost per step (Python work on every norm call; visible on a GPU).
-EXTRA_MODES = ("amp-fp16-no-norm-hooks",)
+EXTRA_MODES = ("amp-fp16-no-norm-hooks", "stock-fp16-again")
 RESULT_PREFIX = "BENCH_TRAINER_RESULT "
 # The model sizes: "small" is the CPU default (4 layers, 128 wide: FP16 matmuls on a CPU without
 # FP16 units are ~7x slower than FP32, so this is what trains 30 steps in ~10-20 s), "tiny" is
@@ -142,21 +149,34 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
 
     class StepClock(TrainerCallback):
-        """Wall time at the end of the warm-up and at the end of the run."""
+        """Wall and CPU time at the end of the warm-up and at the end of the run; with
+        ``--profile``, a torch.profiler recording of exactly the timed steps."""
 
         def __init__(self) -> None:
             self.start: float | None = None
             self.end: float | None = None
+            self.cpu_start: float | None = None
+            self.cpu_end: float | None = None
+            self.profiler: Any = None
 
         def on_step_end(self, targs, state, control, **kwargs):
             if state.global_step in (args.warmup, args.steps):
                 if not on_cpu:
                     torch.cuda.synchronize()
-                now = time.perf_counter()
-                if state.global_step == args.warmup:
-                    self.start = now
+                now, cpu_now = time.perf_counter(), time.process_time()
                 if state.global_step == args.steps:
-                    self.end = now
+                    self.end, self.cpu_end = now, cpu_now
+                    if self.profiler is not None:
+                        self.profiler.stop()
+                if state.global_step == args.warmup:
+                    self.start, self.cpu_start = now, cpu_now
+                    if args.profile is not None:
+                        self.profiler = torch.profiler.profile(
+                            record_shapes=True,
+                            activities=[torch.profiler.ProfilerActivity.CPU]
+                            + ([] if on_cpu else [torch.profiler.ProfilerActivity.CUDA]),
+                        )
+                        self.profiler.start()
 
     class StockTrainerRealCpuFp16(Trainer):
         """Stock Trainer, with accelerate's GPU fp16 set-up applied on a CPU (see module doc)."""
@@ -190,7 +210,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         cls = AmpTrainer
     elif mode == "amp-bf16":
         targs, cls = AmpTrainingArguments(precision="bf16", **common), AmpTrainer
-    elif mode == "stock-fp16":
+    elif mode in ("stock-fp16", "stock-fp16-again"):
         targs, cls = TrainingArguments(fp16=True, **common), StockTrainerRealCpuFp16
     elif mode == "fp32":
         targs, cls = TrainingArguments(**common), Trainer
@@ -215,9 +235,14 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     timed = args.steps - args.warmup
     seconds = clock.end - clock.start
+    if clock.profiler is not None:
+        _write_profile(args, clock.profiler, timed)
     return {
         "mode": mode,
         "steps_per_s": timed / seconds,
+        # CPU time of the whole process (every thread) per timed step: other processes on the
+        # machine lengthen the wall time of a step but much less the CPU time it takes.
+        "cpu_ms_per_step": 1000 * (clock.cpu_end - clock.cpu_start) / timed,
         "tokens_per_s": timed * args.batch_size * args.seq_len / seconds,
         "peak_mem_mib": _peak_memory_mib(args.device),
         "mean_loss": losses[-1] if losses else output.training_loss,
@@ -229,6 +254,80 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": type(trainer.optimizer.optimizer).__name__
         + (" (fused)" if trainer.optimizer.optimizer.defaults.get("fused") else ""),
     }
+
+
+#: The matrix products: on a CPU without FP16 units, FP16 GEMMs are emulated and take almost all
+#: of an fp16 step, so the profile compares them call by call (shape and dtype).
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _write_profile(args: argparse.Namespace, profiler: Any, steps: int) -> None:
+    """Write the timed steps' profile into ``--profile DIR``: ``<mode>.txt`` (torch's table, by
+    self CPU time) and ``<mode>.json`` (per step: each operator's self CPU microseconds and calls,
+    and each GEMM signature's, name + shapes + dtypes, for :func:`diff_profiles`)."""
+    averages = profiler.key_averages()
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+    (out / f"{args.worker}.txt").write_text(table + "\n")
+    ops = {
+        event.key: {"self_cpu_us": event.self_cpu_time_total / steps, "calls": event.count / steps}
+        for event in averages
+    }
+    gemms: dict[str, dict[str, float]] = {}
+    for event in profiler.events():
+        if event.name in GEMM_OPS:
+            dtypes = ",".join(str(d).replace("c10::", "") for d in event.input_dtypes if d)
+            shapes = "x".join(str(list(s)) for s in event.input_shapes if s)
+            entry = gemms.setdefault(f"{event.name} {shapes} {dtypes}", {"self_cpu_us": 0.0})
+            entry["self_cpu_us"] += event.self_cpu_time_total / steps
+            entry["calls"] = entry.get("calls", 0.0) + 1 / steps
+    payload = {"ops": ops, "gemm": gemms}
+    (out / f"{args.worker}.json").write_text(json.dumps(payload, indent=1, sort_keys=True))
+
+
+def diff_profiles(profile_dir: Path, base: str, other: str, top: int = 12) -> str:
+    """What differs between two modes' profiled steps: GEMM versus the rest, whether the GEMMs are
+    the same calls (name, shapes, dtypes, count), and the operators whose time differs most."""
+    a = json.loads((profile_dir / f"{base}.json").read_text())
+    b = json.loads((profile_dir / f"{other}.json").read_text())
+
+    def split(profile: dict[str, Any]) -> tuple[float, float]:
+        gemm = sum(v["self_cpu_us"] for k, v in profile["ops"].items() if k in GEMM_OPS)
+        return gemm / 1000, sum(v["self_cpu_us"] for v in profile["ops"].values()) / 1000 - (
+            gemm / 1000
+        )
+
+    def calls(profile: dict[str, Any]) -> dict[str, int]:
+        return {k: round(v["calls"]) for k, v in profile["gemm"].items()}
+
+    gemm_a, rest_a = split(a)
+    gemm_b, rest_b = split(b)
+    same = calls(a) == calls(b)
+    rows = []
+    for name in set(a["ops"]) | set(b["ops"]):
+        ea, eb = a["ops"].get(name, {}), b["ops"].get(name, {})
+        ta, tb = ea.get("self_cpu_us", 0.0), eb.get("self_cpu_us", 0.0)
+        rows.append((tb - ta, name, ta, tb, ea.get("calls", 0.0), eb.get("calls", 0.0)))
+    rows.sort(key=lambda r: -abs(r[0]))
+    lines = [
+        f"### {other} vs {base}: self CPU time per profiled step",
+        "",
+        f"- GEMM ({', '.join(GEMM_OPS)}): {gemm_a:.1f} ms vs {gemm_b:.1f} ms; everything else: "
+        f"{rest_a:.1f} ms vs {rest_b:.1f} ms",
+        "- the GEMM calls (operator, shapes, dtypes, calls per step) are "
+        + ("identical" if same else "DIFFERENT")
+        + f" ({sum(calls(a).values())} vs {sum(calls(b).values())} per step)",
+        "",
+        f"| operator | {base} ms | {other} ms | difference ms | calls/step {base} | {other} |",
+        "|---|---|---|---|---|---|",
+    ]
+    for diff, name, ta, tb, ca, cb in rows[:top]:
+        lines.append(
+            f"| `{name}` | {ta / 1000:.2f} | {tb / 1000:.2f} | {diff / 1000:+.2f} "
+            f"| {ca:g} | {cb:g} |"
+        )
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,6 +356,8 @@ def _spawn(args: argparse.Namespace, mode: str, workdir: str) -> dict[str, Any]:
     ]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    if args.profile is not None:
+        command += ["--profile", str(args.profile)]
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
@@ -277,12 +378,21 @@ def _median_range(values: Sequence[float], fmt: str) -> str:
     return f"{format(mid, fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
 
 
-def _vs_stock(results: list[dict[str, Any]], stock: list[dict[str, Any]] | None) -> str:
+def _vs_stock(
+    results: list[dict[str, Any]],
+    stock: list[dict[str, Any]] | None,
+    key: str = "steps_per_s",
+    faster: str = "higher",
+) -> str:
     """Speed relative to stock fp16, paired per repeat (runs of one repeat are minutes apart at
-    most, so load drift largely cancels): median [min-max] of the per-repeat ratios."""
+    most, so load drift largely cancels): median [min-max] of the per-repeat ratios, > 1 meaning
+    faster than stock whether ``key`` is a rate (``faster="higher"``) or a time per step."""
     if not stock:
         return "n/a"
-    ratios = [r["steps_per_s"] / s["steps_per_s"] for r, s in zip(results, stock)]
+    if faster == "higher":
+        ratios = [r[key] / s[key] for r, s in zip(results, stock)]
+    else:
+        ratios = [s[key] / r[key] for r, s in zip(results, stock)]
     mid = statistics.median(ratios)
     if len(ratios) == 1:
         return f"{mid:.3f}x"
@@ -299,6 +409,8 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
         "steps/s",
         "tokens/s",
         "vs stock fp16 (paired)",
+        "CPU ms/step",
+        "vs stock, CPU time (paired)",
         "peak mem MiB",
         "mem vs stock",
         "mean loss",
@@ -318,6 +430,8 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
                 _median_range(speed, ".2f"),
                 _median_range([r["tokens_per_s"] for r in results], ".0f"),
                 _vs_stock(results, stock),
+                _median_range([r["cpu_ms_per_step"] for r in results], ".0f"),
+                _vs_stock(results, stock, key="cpu_ms_per_step", faster="lower"),
                 f"{mem:.0f}",
                 f"{mem - stock_mem:+.0f}" if stock_mem is not None else "n/a",
                 f"{statistics.median(r['mean_loss'] for r in results):.4f}",
@@ -382,7 +496,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default steps/5)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per mode (>= 1)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs per mode (>= 1; default 3, 1 with --profile)",
+    )
     parser.add_argument(
         "--modes", default=",".join(MODES), help=f"subset of {','.join(MODES + EXTRA_MODES)}"
     )
@@ -393,9 +512,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="torch threads per run (default: 1 on CPU, torch's default on CUDA; 0: torch's)",
     )
     parser.add_argument("--output", type=Path, default=None, help="also write the report here")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="record the timed steps of each mode with torch.profiler into DIR (one repeat: "
+        "profiling slows the steps, so its speeds are not comparable with unprofiled runs) "
+        "and print which operators' time differs from stock-fp16",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.profile is not None and args.repeats not in (None, 1):
+        parser.error(f"--profile records one run per mode: use --repeats 1, got {args.repeats}")
+    if args.repeats is None:
+        args.repeats = 1 if args.profile is not None else 3
     for name in ("batch_size", "seq_len", "steps", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -443,6 +575,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.output is not None:  # after every run: a cut-short benchmark keeps them
                     _write(args.output, build_report(args, runs))
     report = build_report(args, runs)
+    if args.profile is not None and "stock-fp16" in runs:
+        diffs = "\n\n".join(
+            diff_profiles(args.profile, "stock-fp16", mode) for mode in runs if mode != "stock-fp16"
+        )
+        _write(args.profile / "diff.md", diffs)
+        report += "\n\n" + diffs
     print(report)
     if args.output is not None:
         print(f"\nwritten to {args.output}")

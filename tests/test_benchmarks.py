@@ -186,17 +186,70 @@ def test_bench_trainer_prints_ampTrainer_against_stock_fp16(tmp_path):
         "--repeats",
         "1",
         "--modes",
-        "amp-fp16,stock-fp16",
+        "amp-fp16,stock-fp16,stock-fp16-again",
+        "--profile",
+        str(tmp_path / "profile"),
         timeout=240,
     )
 
     assert done.returncode == 0, done.stderr
     header, rows = _table_rows(done.stdout, "mode")
-    assert header[:4] == ["mode", "steps/s", "tokens/s", "vs stock fp16 (paired)"]
+    assert header[:6] == [
+        "mode",
+        "steps/s",
+        "tokens/s",
+        "vs stock fp16 (paired)",
+        "CPU ms/step",
+        "vs stock, CPU time (paired)",
+    ]
     by_mode = {r[0]: dict(zip(header, r)) for r in rows}
-    assert set(by_mode) == {"amp-fp16", "stock-fp16"}
+    assert set(by_mode) == {"amp-fp16", "stock-fp16", "stock-fp16-again"}
     assert by_mode["stock-fp16"]["vs stock fp16 (paired)"] == "1.000x"
+    assert by_mode["stock-fp16"]["vs stock, CPU time (paired)"] == "1.000x"
+    assert float(by_mode["amp-fp16"]["CPU ms/step"]) > 0
+    # The profile: the same model trains the same GEMMs (shapes, dtypes, count) in every mode,
+    # which the diff states, for AmpTrainer and for the A/A control alike.
+    for mode in by_mode:
+        profile = json.loads((tmp_path / "profile" / f"{mode}.json").read_text())
+        assert profile["ops"]["aten::mm"]["calls"] > 0
+        assert any("Half" in signature for signature in profile["gemm"])
+    diff = (tmp_path / "profile" / "diff.md").read_text()
+    assert (
+        diff.count("the GEMM calls (operator, shapes, dtypes, calls per step) are identical") == 2
+    )
+    assert "### amp-fp16 vs stock-fp16" in diff and "### stock-fp16-again vs stock-fp16" in diff
     # Both really ran FP16 with a loss scaler, the stock one on accelerate's own fp16 path.
     assert by_mode["amp-fp16"]["scaler (final scale)"].startswith("DynamicLossScaler (")
     assert by_mode["stock-fp16"]["scaler (final scale)"].startswith("GradScaler (")
     assert by_mode["amp-fp16"]["autocast"] == by_mode["stock-fp16"]["autocast"] == "fp16"
+
+
+def test_bench_trainer_profile_needs_one_repeat():
+    bench_trainer = _load_script("bench_trainer")
+    with pytest.raises(SystemExit):
+        bench_trainer.parse_args(["--profile", "somewhere", "--repeats", "3"])
+    assert bench_trainer.parse_args(["--profile", "somewhere"]).repeats == 1
+    assert bench_trainer.parse_args([]).repeats == 3
+
+
+def test_diff_profiles_says_when_the_gemm_calls_differ(tmp_path):
+    bench_trainer = _load_script("bench_trainer")
+
+    def profile(mm_calls: int, mm_us: float) -> dict:
+        return {
+            "ops": {
+                "aten::mm": {"self_cpu_us": mm_us, "calls": mm_calls},
+                "aten::add": {"self_cpu_us": 50.0, "calls": 2},
+            },
+            "gemm": {"aten::mm [4, 8]x[8, 2] Half,Half": {"self_cpu_us": mm_us, "calls": mm_calls}},
+        }
+
+    (tmp_path / "a.json").write_text(json.dumps(profile(2, 1000.0)))
+    (tmp_path / "b.json").write_text(json.dumps(profile(3, 1500.0)))
+    (tmp_path / "c.json").write_text(json.dumps(profile(2, 1200.0)))
+
+    assert "are DIFFERENT (2 vs 3 per step)" in bench_trainer.diff_profiles(tmp_path, "a", "b")
+    text = bench_trainer.diff_profiles(tmp_path, "a", "c")
+    assert "are identical (2 vs 2 per step)" in text
+    assert "GEMM (aten::mm, aten::addmm, aten::bmm, aten::baddbmm): 1.0 ms vs 1.2 ms" in text
+    assert "| `aten::mm` | 1.00 | 1.20 | +0.20 | 2 | 2 |" in text
