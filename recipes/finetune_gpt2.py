@@ -74,30 +74,33 @@ class DataArguments(SharedDataArguments):  # + dataset, files, max_train/eval_sa
     prompt: str | None = field(
         default=None,
         metadata={
-            "help": "Prompt for the greedy samples. Default: the config file's prompt while the "
-            "data is the config file's own, else the first words of the first validation example."
+            "help": "Prompt for the greedy samples. Default: the config file's prompt, unless "
+            "--train_file/--validation_file is given; then (or without one) the first words of "
+            "the first validation example."
         },
     )
     sample_tokens: int = field(default=24, metadata={"help": "Tokens per greedy sample."})
 
 
 PROMPT_WORDS = 4  # of the first validation example, when the prompt is the data's
-_DATA_FLAGS = ("train_file", "validation_file", "dataset_name", "dataset_config_name")
+_OWN_FILE_FLAGS = ("train_file", "validation_file")
 
 
 def choose_prompt(run: RecipeRun, validation_texts: Iterable[str]) -> tuple[str, str]:
     """The prompt of the greedy samples, and where it came from (the summary says which).
 
-    ``--prompt`` on the command line wins. A config file's prompt is kept while the run reads
-    that file's own data: it was written for that data ("The with statement" for the Python
-    docs), and on the user's own text it showed nothing of what the model had learnt. Otherwise
-    the first words of the first non-empty validation example: text the model should continue.
+    ``--prompt`` on the command line wins. A config file's prompt is kept unless the command
+    line brings the user's own files (``--train_file``/``--validation_file``): it was written
+    for a dataset ("The with statement" for the Python docs), and on the user's own text it
+    showed nothing of what the model had learnt. A hub ``--dataset_name`` keeps it (a shipped
+    config's dataset swapped for a mirror or a larger variant). Otherwise the first words of the
+    first non-empty validation example: text the model should continue.
     """
     prompt = run.data_args.prompt
-    given = run.given("prompt", *_DATA_FLAGS)
+    given = run.given("prompt", *_OWN_FILE_FLAGS)
     if "prompt" in given:
         return prompt, "from --prompt"
-    if prompt is not None and not given.intersection(_DATA_FLAGS):
+    if prompt is not None and not given.intersection(_OWN_FILE_FLAGS):
         return prompt, "from the config file"
     for text in validation_texts:
         words = text.split()

@@ -206,9 +206,11 @@ def gpt2_recipe(monkeypatch):
         ([], "The with statement", "from the config file"),
         (["--train_file", "own.txt"], "Rivers carry sediment downstream", "the first 4 words"),
         (["--train_file", "own.txt", "--prompt", "Once"], "Once", "from --prompt"),
+        (["--validation_file=own.txt"], "Rivers carry sediment downstream", "the first 4 words"),
         (["--config", "none", "--model_name_or_path", "tiny-gpt2"], "Rivers carry", "the first"),
+        (["--dataset_name", "wikitext"], "The with statement", "from the config file"),
     ],
-    ids=["config-data", "own-data", "flag", "no-config"],
+    ids=["config-data", "own-data", "flag", "own-validation", "no-config", "hub-dataset"],
 )
 def test_the_prompt_is_the_flag_the_configs_for_its_data_or_the_datas(
     gpt2_recipe, tmp_path, flags, prompt, source
