@@ -224,11 +224,11 @@ class _LossScaleMonitor(TrainerCallback):
         skipped = scaler.step_was_skipped
         step = state.global_step + 1  # global_step is incremented right after this event
         sample_every = state.logging_steps if args.logging_strategy == "steps" else 0
-        _record_scale_step(
-            self._trainer.scale_history,
-            {"step": step, "scale": self._scale_before_step, "skipped": skipped},
-            int(sample_every or 0),
-        )
+        entry: dict[str, Any] = {"step": step, "scale": self._scale_before_step, "skipped": skipped}
+        if forward is not None:
+            # Not a gradient overflow: the plot and the summary show it as its own kind of event.
+            entry["fp32_islands"] = list(forward.islands)
+        _record_scale_step(self._trainer.scale_history, entry, int(sample_every or 0))
         self._trainer._last_step_skipped = skipped
         if skipped and forward is None:  # a forward overflow was reported as such already
             names = scaler.stats.last_overflow_params
@@ -273,9 +273,11 @@ class AmpTrainerMixin(Trainer):
         loss_scaler: the :class:`DynamicLossScaler` in use (``None`` for bf16/fp32 and DeepSpeed,
             whose engine scales the loss itself).
         scale_history: ``{"step", "scale", "skipped"}`` dicts (``scale``: the loss scale the
-            step ran with) for the run's events: every skipped step, the first step at each new
-            scale, every logging step (``logging_steps``) and the latest step, so its size does
-            not grow with the run's length (with ``logging_steps=1`` that is every step). The
+            step ran with; a step skipped for a forward overflow also has ``"fp32_islands"``,
+            the modules made FP32 islands for it, possibly none) for the run's events: every
+            skipped step, the first step at each new scale, every logging step
+            (``logging_steps``) and the latest step, so its size does not grow with the run's
+            length (with ``logging_steps=1`` that is every step). The
             scale of a step not listed is that of the entry before it. A resumed run starts
             from the checkpoint's history, so it covers the whole run, not just this process.
         resume_overrides: ``{field: {"given": ..., "used": ...}}`` for each loss-scaler argument

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from amp_trainer.recipe_support.run import (
     load_lm_corpus,
     run_entry_point,
     tokenize_and_chunk,
+    validation_size_hint,
 )
 
 logger = logging.getLogger("finetune_gpt2")
@@ -69,10 +71,45 @@ class DataArguments(SharedDataArguments):  # + dataset, files, max_train/eval_sa
     block_size: int = field(
         default=128, metadata={"help": "Tokens per training sequence (concatenate and chunk)."}
     )
-    prompt: str = field(
-        default="The with statement", metadata={"help": "Prompt for the greedy samples."}
+    prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "Prompt for the greedy samples. Default: the config file's prompt, unless "
+            "--train_file/--validation_file is given; then (or without one) the first words of "
+            "the first validation example."
+        },
     )
     sample_tokens: int = field(default=24, metadata={"help": "Tokens per greedy sample."})
+
+
+PROMPT_WORDS = 4  # of the first validation example, when the prompt is the data's
+_OWN_FILE_FLAGS = ("train_file", "validation_file")
+
+
+def choose_prompt(run: RecipeRun, validation_texts: Iterable[str]) -> tuple[str, str]:
+    """The prompt of the greedy samples, and where it came from (the summary says which).
+
+    ``--prompt`` on the command line wins. A config file's prompt is kept unless the command
+    line brings the user's own files (``--train_file``/``--validation_file``): it was written
+    for a dataset ("The with statement" for the Python docs), and on the user's own text it
+    showed nothing of what the model had learnt. A hub ``--dataset_name`` keeps it (a shipped
+    config's dataset swapped for a mirror or a larger variant). Otherwise the first words of the
+    first non-empty validation example: text the model should continue.
+    """
+    prompt = run.data_args.prompt
+    given = run.given("prompt", *_OWN_FILE_FLAGS)
+    if "prompt" in given:
+        return prompt, "from --prompt"
+    if prompt is not None and not given.intersection(_OWN_FILE_FLAGS):
+        return prompt, "from the config file"
+    for text in validation_texts:
+        words = text.split()
+        if words:
+            return " ".join(words[:PROMPT_WORDS]), (
+                f"the first {PROMPT_WORDS} words of the first validation example; "
+                "--prompt sets another"
+            )
+    return "The", "no validation text to take one from; --prompt sets one"
 
 
 @torch.no_grad()
@@ -151,6 +188,11 @@ def main(argv: list[str]) -> None:
         block_size,
     )
 
+    # the greedy samples' prompt: --prompt, the config file's for its own data, else the data's
+    data_args.prompt, prompt_source = choose_prompt(
+        run, (row["text"] for row in corpus["validation"])
+    )
+
     # ---- model
     with run.phase("model"):
         model = build_causal_lm(model_args.model_name_or_path, tokenizer, block_size)
@@ -186,6 +228,8 @@ def main(argv: list[str]) -> None:
         results={
             "eval": {**eval_metrics, "perplexity": ppl_after},
             "untrained": {**before, "perplexity": ppl_before},
+            "prompt": data_args.prompt,
+            "prompt_source": prompt_source,
             "sample_before": sample_before,
             "sample_after": sample_after,
         },
@@ -195,9 +239,10 @@ def main(argv: list[str]) -> None:
             ("eval loss", eval_metrics.get("eval_loss")),
         ],
         notes=[
-            f"prompt: {data_args.prompt!r}",
+            f"prompt: {data_args.prompt!r} ({prompt_source})",
             f"  before training: {sample_before!r}",
             f"  after training:  {sample_after!r}",
+            *filter(None, [validation_size_hint(blocks["validation"].num_rows, block_size)]),
         ],
     )
 

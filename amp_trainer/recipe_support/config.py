@@ -23,7 +23,7 @@ import sys
 import tempfile
 import textwrap
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -37,6 +37,7 @@ __all__ = [
     "RunArguments",
     "UsageError",
     "check_output_dir",
+    "given_on_command_line",
     "load_yaml_config",
     "parse_args_with_config",
     "run_entry_point",
@@ -281,6 +282,24 @@ def parse_args_with_config(
         print(_short_help(parser, config_path))
         raise SystemExit(EXIT_OK)
     return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
+
+
+def given_on_command_line(argv: Sequence[str], names: Iterable[str]) -> set[str]:
+    """Which of ``names`` (flags without ``--``) ``argv`` sets, read as the recipe's parser reads
+    it: ``--name value``, ``--name=value``, the hyphenated spelling, an unambiguous prefix.
+
+    Why: a value from the ``--config`` file and the same value typed as a flag parse alike, and
+    some choices depend on which it was (the GPT-2 recipe keeps its config file's prompt only
+    while it reads the config file's own data). Call it after the full parse, which has already
+    refused a bad or ambiguous flag.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.error = _raise_usage_error
+    for name in names:
+        options = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        parser.add_argument(*options, dest=name, default=argparse.SUPPRESS)
+    known, _ = parser.parse_known_args(list(argv))
+    return set(vars(known))
 
 
 #: The TrainingArguments flags a recipe user reaches for first; ``--help-all`` lists the rest.

@@ -2,9 +2,12 @@
 
 The recipes share these so that every run leaves the same artifacts behind: ``metrics.json``
 (machine-readable, written atomically so a crashed run never leaves a torn file), ``training.png``
-(loss and loss scale against the optimizer step, skipped steps marked) and a plain-text table on
-stdout with the figures one compares between runs: the task metric, the loss-scale history, the
-throughput, the wall time and the peak memory.
+(loss and loss scale against the optimizer step, skipped steps and FP32 islands marked) and a
+plain-text table on stdout with the figures one compares between runs: the task metric, the
+loss-scale history, the throughput, the wall time and the peak memory. Before the table come the
+hints a run's own figures call for (a validation set too small to measure anything, LoRA on a
+base that was never trained, an accuracy no better than always answering the commonest label):
+the numbers alone look like results.
 """
 
 from __future__ import annotations
@@ -22,14 +25,20 @@ import torch
 from amp_trainer.atomic_files import atomic_path
 
 __all__ = [
+    "FORWARD_OVERFLOW_LABEL",
+    "SKIPPED_STEP_LABEL",
     "LossScaleSummary",
+    "accuracy_against_majority",
     "activation_memory",
     "describe_activation_memory",
     "first_batch",
     "format_table",
+    "lora_base_hint",
     "peak_memory",
     "plot_training",
     "summarize_loss_scale",
+    "training_figure",
+    "validation_size_hint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -43,7 +52,9 @@ class LossScaleSummary:
     checkpoint's ``scaler.pt`` hold, and what a resume starts from. ``last_step_ran_with`` is the
     scale the last optimizer step ran with (``scale_history``'s last entry): the two differ when
     that step grew or backed off the scale. ``minimum``/``maximum`` cover the scales the steps
-    ran with and the final one.
+    ran with and the final one. ``skipped`` counts every skipped step; ``forward_overflows`` those
+    of them that were forward overflows (the guard's, whose fix is an FP32 island, not the
+    scale), and ``fp32_islands`` the modules made islands for them, in order.
     """
 
     final: float
@@ -52,6 +63,8 @@ class LossScaleSummary:
     maximum: float
     steps: int
     skipped: int
+    forward_overflows: int = 0
+    fp32_islands: tuple[str, ...] = ()
 
 
 def summarize_loss_scale(
@@ -74,6 +87,7 @@ def summarize_loss_scale(
         )
     scales = [float(entry["scale"]) for entry in scale_history]
     final = float(final_scale)
+    forward = [entry for entry in scale_history if "fp32_islands" in entry]
     return LossScaleSummary(
         final=final,
         last_step_ran_with=scales[-1],
@@ -81,6 +95,8 @@ def summarize_loss_scale(
         maximum=max(*scales, final),
         steps=int(scale_history[-1]["step"]) - int(scale_history[0]["step"]) + 1,
         skipped=sum(bool(entry["skipped"]) for entry in scale_history),
+        forward_overflows=len(forward),
+        fp32_islands=tuple(name for entry in forward for name in entry["fp32_islands"]),
     )
 
 
@@ -186,33 +202,43 @@ def peak_memory(device: torch.device | str) -> dict[str, float | None]:
     return result
 
 
-def plot_training(
+#: The legend entries of the loss-scale panel's two kinds of skipped step. A gradient overflow is
+#: the loss scale's business (it backs off); a forward overflow is not (the scale is put back and
+#: the module that overflowed computes in FP32 from then on), so they are drawn apart.
+SKIPPED_STEP_LABEL = "skipped step (gradient overflow: scale backed off)"
+FORWARD_OVERFLOW_LABEL = "forward overflow (FP32 island added)"
+_FORWARD_OVERFLOW_NO_ISLAND_LABEL = "forward overflow (no island added)"
+
+
+def training_figure(
     log_history: Iterable[Mapping[str, Any]],
     scale_history: Sequence[Mapping[str, Any]],
-    path: str | os.PathLike[str],
     title: str = "",
-) -> Path | None:
-    """Plot training (and eval) loss and the loss scale against the optimizer step.
+    precision: str | None = None,
+) -> Any:
+    """The figure :func:`plot_training` saves (a matplotlib ``Figure`` on an Agg canvas).
 
-    Skipped (overflow) steps are marked with red crosses on the loss-scale panel, which uses a
-    log2 axis: the scale moves in powers of two. Returns the path, or ``None`` (with a warning)
-    when matplotlib is not installed (it is the ``recipes`` extra). Uses the Agg canvas directly,
-    so no GUI backend is touched and pyplot's global state is left alone.
+    With a loss-scale history: two panels, the loss above and the loss scale below (log2 axis:
+    the scale moves in powers of two), with gradient-overflow skips as red crosses and forward
+    overflows (``"fp32_islands"`` entries, see ``AmpTrainer.scale_history``) as orange diamonds,
+    each kind with its own legend entry. Without one (bf16/fp32 have no loss scaler), one loss
+    panel whose title says why there is no loss-scale panel: an empty panel read as a broken plot.
+    Raises ``ImportError`` without matplotlib.
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        logger.warning("matplotlib is not installed (pip install 'amp-trainer[recipes]'): no plot")
-        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     logs = list(log_history)
     train = [(e["step"], e["loss"]) for e in logs if "loss" in e and "step" in e]
     evals = [(e["step"], e["eval_loss"]) for e in logs if "eval_loss" in e and "step" in e]
 
-    figure = Figure(figsize=(8, 6), layout="constrained")
+    if scale_history:
+        figure = Figure(figsize=(8, 6), layout="constrained")
+        loss_ax, scale_ax = figure.subplots(2, 1, sharex=True)
+    else:
+        figure = Figure(figsize=(8, 4), layout="constrained")
+        loss_ax, scale_ax = figure.subplots(1, 1), None
     FigureCanvasAgg(figure)
-    loss_ax, scale_ax = figure.subplots(2, 1, sharex=True)
     if train:
         loss_ax.plot(*zip(*train), marker=".", label="train loss")
     if evals:
@@ -221,30 +247,153 @@ def plot_training(
     loss_ax.grid(alpha=0.3)
     if train or evals:
         loss_ax.legend()
+
+    if scale_ax is None:
+        if precision in ("bf16", "fp32"):
+            why = f"{precision} trains without a loss scaler: no loss-scale panel"
+        else:
+            why = "no loss scale was recorded (no amp-trainer loss scaler): no loss-scale panel"
+        loss_ax.set_title(f"{title}\n{why}" if title else why)
+        loss_ax.set_xlabel("optimizer step")
+        return figure
+
     if title:
         loss_ax.set_title(title)
-
-    if scale_history:
-        steps = [e["step"] for e in scale_history]
-        scales = [e["scale"] for e in scale_history]
-        scale_ax.step(steps, scales, where="post", label="loss scale")
-        skipped = [(e["step"], e["scale"]) for e in scale_history if e["skipped"]]
-        if skipped:
-            scale_ax.scatter(
-                *zip(*skipped), marker="x", color="red", zorder=3, label="skipped (overflow)"
-            )
-        scale_ax.set_yscale("log", base=2)
-        scale_ax.legend()
-    else:
-        scale_ax.text(0.5, 0.5, "no loss scaler (bf16/fp32)", ha="center", va="center")
+    steps = [e["step"] for e in scale_history]
+    scales = [e["scale"] for e in scale_history]
+    scale_ax.step(steps, scales, where="post", label="loss scale")
+    events = (
+        (
+            [e for e in scale_history if e["skipped"] and "fp32_islands" not in e],
+            dict(marker="x", color="red", label=SKIPPED_STEP_LABEL),
+        ),
+        (
+            [e for e in scale_history if e.get("fp32_islands")],
+            dict(marker="D", color="tab:orange", label=FORWARD_OVERFLOW_LABEL),
+        ),
+        (
+            [e for e in scale_history if "fp32_islands" in e and not e["fp32_islands"]],
+            dict(
+                marker="D",
+                facecolors="none",
+                edgecolors="tab:orange",
+                label=(_FORWARD_OVERFLOW_NO_ISLAND_LABEL),
+            ),
+        ),
+    )
+    for entries, style in events:
+        if entries:
+            points = [(e["step"], e["scale"]) for e in entries]
+            scale_ax.scatter(*zip(*points), zorder=3, **style)
+    scale_ax.set_yscale("log", base=2)
+    scale_ax.legend(fontsize="small")
     scale_ax.set_xlabel("optimizer step")
     scale_ax.set_ylabel("loss scale")
     scale_ax.grid(alpha=0.3)
+    return figure
 
+
+def plot_training(
+    log_history: Iterable[Mapping[str, Any]],
+    scale_history: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    title: str = "",
+    precision: str | None = None,
+) -> Path | None:
+    """Write :func:`training_figure` to ``path`` (the format from its suffix, PNG by default).
+
+    Returns the path, or ``None`` (with a warning) when matplotlib is not installed: it is the
+    ``recipes`` extra, and a run without it still trains, exports and reports (the summary's
+    ``plot`` row says why there is none). Uses the Agg canvas directly, so no GUI backend is
+    touched and pyplot's global state is left alone.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        logger.warning("matplotlib is not installed (pip install 'amp-trainer[recipes]'): no plot")
+        return None
+    figure = training_figure(log_history, scale_history, title=title, precision=precision)
     path = Path(path)
     with atomic_path(path) as tmp:
         figure.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=100)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# Hints: what a run's own figures call for, one line each, printed before the summary table
+# --------------------------------------------------------------------------------------------
+
+#: Below these, a validation set measures noise: 100 examples put the standard error of an
+#: accuracy near 0.5 at 5 points; a few thousand tokens are the least an eval loss averages over.
+MIN_VALIDATION_EXAMPLES = 100
+MIN_VALIDATION_TOKENS = 2048
+
+
+def validation_size_hint(count: int, block_size: int | None = None) -> str | None:
+    """The hint for a validation set too small to measure anything, or ``None``.
+
+    ``count`` is the number of validation examples (classification) or, with ``block_size``, of
+    blocks of that many tokens (language modelling).
+    """
+    if block_size is not None:
+        tokens = count * block_size
+        if tokens >= MIN_VALIDATION_TOKENS:
+            return None
+        blocks = f"{count} block{'' if count == 1 else 's'} of {block_size} tokens"
+        return (
+            f"hint: validation has {blocks}: eval loss and perplexity are noise at this size; "
+            f"hold out at least {MIN_VALIDATION_TOKENS} tokens (more text in --validation_file, "
+            "or a larger --max_eval_samples)"
+        )
+    if count >= MIN_VALIDATION_EXAMPLES:
+        return None
+    step = 100 / count if count else 100
+    return (
+        f"hint: validation has {count} example{'' if count == 1 else 's'}: accuracy moves in "
+        f"steps of {step:.3g} points and is noise at this size; hold out at least "
+        f"{MIN_VALIDATION_EXAMPLES} examples (--validation_file, or a larger --max_eval_samples)"
+    )
+
+
+def lora_base_hint(lora: bool, from_scratch: bool, model: str) -> str | None:
+    """The hint for LoRA on a randomly initialised model, or ``None``.
+
+    LoRA freezes the base weights and trains small adapters beside them: on a pretrained base
+    that is the point, on a random one the frozen base never learns anything, and the run's
+    loss stays far above what full training of the same model reaches.
+    """
+    if not (lora and from_scratch):
+        return None
+    return (
+        f"hint: LoRA trains adapters on a randomly initialised base ({model} is built from "
+        "scratch): the base never learns; use a pretrained --model_name_or_path or --lora false"
+    )
+
+
+def accuracy_against_majority(
+    accuracy: float | None, majority: float, majority_label: Any
+) -> tuple[str | None, str | None]:
+    """The summary's accuracy cell with the majority-class baseline beside it, and the comment
+    line when the accuracy is not above that baseline (``None`` when it is).
+
+    Why: an accuracy of 0.52 reads as a result until one knows that always answering the
+    commonest label scores 0.52 too.
+    """
+    if accuracy is None:
+        return None, None
+    cell = f"{accuracy:.4g} (majority class: {majority:.4g})"
+    if majority >= 1.0:
+        return cell, (
+            f"hint: validation holds one label only ({majority_label!r}): accuracy cannot tell a "
+            "model from one that always answers it; hold out examples of every label"
+        )
+    if accuracy > majority:
+        return cell, None
+    return cell, (
+        f"note: eval accuracy {accuracy:.4g} is not above the majority-class baseline "
+        f"{majority:.4g} (always answering {majority_label!r}): the model has not learned to "
+        "tell the classes apart; train longer, or check the learning rate and the labels"
+    )
 
 
 def format_table(rows: Sequence[tuple[str, Any]], title: str = "") -> str:

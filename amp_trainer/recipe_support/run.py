@@ -40,6 +40,7 @@ from amp_trainer.atomic_files import write_json_atomic
 from amp_trainer.recipe_support.config import (
     RunArguments,
     check_output_dir,
+    given_on_command_line,
     parse_args_with_config,
     run_entry_point,
 )
@@ -53,6 +54,7 @@ from amp_trainer.recipe_support.data import (
 from amp_trainer.recipe_support.models import (
     CAUSAL_LM,
     CLASSIFICATION,
+    TINY_MODEL_CONFIGS,
     apply_lora,
     build_causal_lm,
     build_classifier,
@@ -63,13 +65,17 @@ from amp_trainer.recipe_support.models import (
     classification_tokenizer,
 )
 from amp_trainer.recipe_support.reporting import (
+    LossScaleSummary,
+    accuracy_against_majority,
     activation_memory,
     describe_activation_memory,
     first_batch,
     format_table,
+    lora_base_hint,
     peak_memory,
     plot_training,
     summarize_loss_scale,
+    validation_size_hint,
 )
 from amp_trainer.recipe_support.resume import interrupted, resumed_from_line, settle_run_folder
 
@@ -85,6 +91,7 @@ __all__ = [
     "RecipeRun",
     "SharedDataArguments",
     "SharedModelArguments",
+    "accuracy_against_majority",
     "apply_lora",
     "apply_sample_limits",
     "build_causal_lm",
@@ -98,6 +105,7 @@ __all__ = [
     "run_entry_point",
     "tokenize_and_chunk",
     "tokenize_classification",
+    "validation_size_hint",
 ]
 
 
@@ -175,6 +183,16 @@ def apply_sample_limits(splits: Any, data_args: SharedDataArguments) -> None:
             splits[split] = splits[split].select(range(min(limit, splits[split].num_rows)))
 
 
+def _describe_islands(scale: LossScaleSummary | None) -> str | None:
+    """The summary's cell for forward overflows: ``0``, or ``2: wo, lm_head`` (the islands)."""
+    if scale is None:
+        return None
+    if not scale.forward_overflows:
+        return "0"
+    islands = ", ".join(scale.fp32_islands) or "no island added"
+    return f"{scale.forward_overflows}: {islands}"
+
+
 def _close_progress_bars(trainer: AmpTrainer) -> None:
     """Close the Trainer's tqdm bars now: left open, they redraw themselves at exit, after the
     line that says how to resume."""
@@ -243,6 +261,11 @@ class RecipeRun:
         )
         check_model_path(model_args.model_name_or_path, task)
         return cls(name, model_args, data_args, training_args, started, argv=tuple(argv))
+
+    def given(self, *names: str) -> set[str]:
+        """Which of ``names`` the command line set, as opposed to the config file or the
+        defaults (see :func:`~amp_trainer.recipe_support.config.given_on_command_line`)."""
+        return given_on_command_line(self.argv, names)
 
     def start(self, *, count_input_tokens: str) -> None:
         """Logging, seed and the precision line. ``count_input_tokens``: how the Trainer counts
@@ -341,6 +364,7 @@ class RecipeRun:
                 trainer.scale_history,
                 output_dir / "training.png",
                 title=f"{model_args.model_name_or_path} ({args.precision})",
+                precision=args.precision,
             )
         with self.phase("fp16_export"):
             export_model = model.merge_and_unload() if model_args.lora else trainer.model
@@ -388,6 +412,7 @@ class RecipeRun:
             ),
             ("loss scale min", None if scale is None else f"{scale.minimum:.10g}"),
             ("skipped steps", None if scale is None else scale.skipped),
+            ("of them forward overflows -> FP32 islands", _describe_islands(scale)),
             ("tokens/s (train)", tokens_per_s),
             ("train time s", runtime),
             ("wall time s", wall),
@@ -399,9 +424,14 @@ class RecipeRun:
             ),
             ("fp16 export parity", "passed" if report.passed else "FAILED"),
             ("output", str(output_dir)),
-            ("plot", str(plot) if plot else None),
+            ("plot", str(plot) if plot else "none: matplotlib is not installed"),
         ]
-        for line in notes:
+        lora_hint = lora_base_hint(
+            model_args.lora,
+            model_args.model_name_or_path in TINY_MODEL_CONFIGS,
+            model_args.model_name_or_path,
+        )
+        for line in [*notes, *([lora_hint] if lora_hint else [])]:
             print(line)
         print(format_table(rows, title=f"{self.name}: {model_args.model_name_or_path}"))
         trainer.accelerator.end_training()
