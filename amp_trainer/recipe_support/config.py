@@ -237,6 +237,9 @@ def parse_args_with_config(
     parser: Any,
     argv: Sequence[str],
     default_config: str | os.PathLike[str] | None = None,
+    *,
+    reconcile: Callable[[dict[str, Any], str | os.PathLike[str], list[str]], dict[str, Any]]
+    | None = None,
 ) -> tuple[Any, ...]:
     """Parse ``argv`` into ``parser``'s dataclasses, with ``--config FILE`` values as defaults.
 
@@ -245,7 +248,11 @@ def parse_args_with_config(
     recipe's offline default, and ``recipe.py --max_steps 5`` a shortened one); ``--config none``
     starts from the dataclasses' own defaults. Each YAML value becomes the default of its flag
     (so argparse still converts strings and validates choices), and flags given on the command
-    line win. Unknown YAML keys and unknown flags are errors that name them.
+    line win. Unknown YAML keys and unknown flags are errors that name them. ``reconcile(values,
+    config_path, flags)``, if given, sees the file's typed values and the command-line flags
+    before the values become defaults, and returns the values to use: the recipes let
+    ``accelerate launch``'s precision beat the file's there
+    (:class:`~amp_trainer.recipe_support.launcher.LauncherPrecision`).
     """
     argv = list(argv)
     full_help = "--help-all" in argv
@@ -270,7 +277,10 @@ def parse_args_with_config(
                 f"unknown key(s) {unknown} in config file {str(config_path)!r}; valid keys are "
                 "the recipe's flags without the leading '--' (see --help)"
             )
-        parser.set_defaults(**_typed_values(parser, values, config_path))
+        typed = _typed_values(parser, values, config_path)
+        if reconcile is not None:
+            typed = reconcile(typed, config_path, rest)
+        parser.set_defaults(**typed)
         # A YAML value satisfies a required flag (argparse would still demand it on the CLI).
         for action in parser._actions:
             if action.dest in values:
