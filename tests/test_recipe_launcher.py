@@ -18,13 +18,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from amp_trainer.recipe_support.config import EXIT_USAGE, run_entry_point
+from amp_trainer.recipe_support.config import EXIT_USAGE, UsageError, run_entry_point
 from amp_trainer.recipe_support.run import RecipeRun
 from tests.conftest import REPO_ROOT, subprocess_env
 
@@ -256,3 +257,39 @@ def test_accelerate_launch_quiet_leaves_the_one_line_alone_with_exit_1(tmp_path,
         "['--no_such_flag', '1']"
     )
     assert "Traceback" not in result.stderr and "CalledProcessError" not in result.stderr
+
+
+def test_a_failing_worker_leaves_its_one_line_where_torchrun_reads_the_root_cause(
+    monkeypatch, tmp_path
+):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def main() -> None:
+        raise UsageError("max_steps must be an int, got 'ten'")
+
+    error_file = tmp_path / "error.json"  # torchrun names one per worker in this variable
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    assert run_entry_point(main, "finetune_bert") == EXIT_USAGE
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    assert failure.message == "finetune_bert: error: max_steps must be an int, got 'ten'"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_usage_error_in_two_processes_is_torchruns_summary_naming_the_recipes_line(
+    tmp_path, cache
+):
+    launcher = ["--config_file", str(REPO_ROOT / "configs" / "accelerate" / "cpu_2proc.yaml")]
+    launcher += ["--main_process_port", str(free_port())]
+    result = launch(launcher, ["--use_cpu", "true", "--precision", "fp64"], tmp_path, cache)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert lines.count(RECIPE_LINE) == 2  # each rank's
+    root_cause = result.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert f"  traceback : {RECIPE_LINE}" in root_cause.splitlines()
+    assert "To enable traceback see" not in result.stderr  # what it said without the error file

@@ -15,8 +15,10 @@ not lost: it goes to a log file named on that line (runtime failures) and to std
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import sys
@@ -99,6 +101,22 @@ def _traceback_file(prog: str, err: BaseException) -> Path | None:
     return path
 
 
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun (``accelerate launch`` with several processes) put ``line`` in the
+    worker's error file, so that torch's ``ChildFailedError`` summary shows it as the root cause
+    instead of "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html".
+
+    The format is the one :class:`torch.distributed.elastic.multiprocessing.errors.ProcessFailure`
+    reads (a ``message`` string and a ``timestamp``). Best effort: the line is on stderr anyway.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": line, "timestamp": str(int(datetime.datetime.now().timestamp()))}
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps(data), encoding="utf-8")
+
+
 def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | None = None) -> int:
     """Run ``main()`` and turn any exception into one line on stderr and an exit code.
 
@@ -126,6 +144,7 @@ def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | 
             if log is not None:
                 message += f" (traceback: {log})"
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        _tell_torchrun(f"{prog}: error: {message}")
         return code
     return EXIT_OK if code is None else int(code)
 
