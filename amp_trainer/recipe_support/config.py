@@ -297,13 +297,13 @@ def parse_args_with_config(
                 "the recipe's flags without the leading '--' (see --help)"
             )
         typed = _typed_values(parser, values, config_path)
-        if reconcile is not None:
-            typed = reconcile(typed, config_path, rest)
-        parser.set_defaults(**typed)
         # A YAML value satisfies a required flag (argparse would still demand it on the CLI).
         for action in parser._actions:
             if action.dest in values:
                 action.required = False
+        if reconcile is not None:
+            typed = reconcile(typed, config_path, rest)
+        parser.set_defaults(**typed)
     if not full_help and (
         "-h" in rest or "--help" in rest
     ):  # after the config: its values are the defaults shown
