@@ -15,8 +15,10 @@ not lost: it goes to a log file named on that line (runtime failures) and to std
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import sys
@@ -100,6 +102,22 @@ def _traceback_file(prog: str, err: BaseException) -> Path | None:
     return path
 
 
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun (``accelerate launch`` with several processes) put ``line`` in the
+    worker's error file, so that torch's ``ChildFailedError`` summary shows it as the root cause
+    instead of "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html".
+
+    The format is the one :class:`torch.distributed.elastic.multiprocessing.errors.ProcessFailure`
+    reads (a ``message`` string and a ``timestamp``). Best effort: the line is on stderr anyway.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": line, "timestamp": str(int(datetime.datetime.now().timestamp()))}
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps(data), encoding="utf-8")
+
+
 def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | None = None) -> int:
     """Run ``main()`` and turn any exception into one line on stderr and an exit code.
 
@@ -127,6 +145,7 @@ def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | 
             if log is not None:
                 message += f" (traceback: {log})"
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        _tell_torchrun(f"{prog}: error: {message}")
         return code
     return EXIT_OK if code is None else int(code)
 
@@ -238,6 +257,9 @@ def parse_args_with_config(
     parser: Any,
     argv: Sequence[str],
     default_config: str | os.PathLike[str] | None = None,
+    *,
+    reconcile: Callable[[dict[str, Any], str | os.PathLike[str], list[str]], dict[str, Any]]
+    | None = None,
 ) -> tuple[Any, ...]:
     """Parse ``argv`` into ``parser``'s dataclasses, with ``--config FILE`` values as defaults.
 
@@ -246,7 +268,11 @@ def parse_args_with_config(
     recipe's offline default, and ``recipe.py --max_steps 5`` a shortened one); ``--config none``
     starts from the dataclasses' own defaults. Each YAML value becomes the default of its flag
     (so argparse still converts strings and validates choices), and flags given on the command
-    line win. Unknown YAML keys and unknown flags are errors that name them.
+    line win. Unknown YAML keys and unknown flags are errors that name them. ``reconcile(values,
+    config_path, flags)``, if given, sees the file's typed values and the command-line flags
+    before the values become defaults, and returns the values to use: the recipes let
+    ``accelerate launch``'s precision beat the file's there
+    (:class:`~amp_trainer.recipe_support.launcher.LauncherPrecision`).
     """
     argv = list(argv)
     full_help = "--help-all" in argv
@@ -271,11 +297,14 @@ def parse_args_with_config(
                 f"unknown key(s) {unknown} in config file {str(config_path)!r}; valid keys are "
                 "the recipe's flags without the leading '--' (see --help)"
             )
-        parser.set_defaults(**_typed_values(parser, values, config_path))
+        typed = _typed_values(parser, values, config_path)
         # A YAML value satisfies a required flag (argparse would still demand it on the CLI).
         for action in parser._actions:
             if action.dest in values:
                 action.required = False
+        if reconcile is not None:
+            typed = reconcile(typed, config_path, rest)
+        parser.set_defaults(**typed)
     if not full_help and (
         "-h" in rest or "--help" in rest
     ):  # after the config: its values are the defaults shown

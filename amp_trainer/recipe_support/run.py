@@ -51,6 +51,7 @@ from amp_trainer.recipe_support.data import (
     tokenize_and_chunk,
     tokenize_classification,
 )
+from amp_trainer.recipe_support.launcher import LauncherPrecision
 from amp_trainer.recipe_support.models import (
     CAUSAL_LM,
     CLASSIFICATION,
@@ -221,6 +222,7 @@ class RecipeRun:
     started: float
     phase_seconds: dict[str, float] = field(default_factory=dict)
     argv: tuple[str, ...] = ()  # the flags as given: the resume command repeats them
+    precision_note: str | None = None  # the launcher's precision and the recipe's disagreed
     _phase_start: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -245,9 +247,12 @@ class RecipeRun:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         started = time.perf_counter()
         parser = HfArgumentParser((model_class, data_class, RunArguments, AmpTrainingArguments))
+        # --precision beats accelerate launch's mixed_precision, which beats the config file's.
+        launcher = LauncherPrecision(parser, argv)
         model_args, data_args, run_args, training_args = parse_args_with_config(
-            parser, argv, default_config
+            parser, argv, default_config, reconcile=launcher.settle_config
         )
+        launcher.check(training_args.precision)
         # --resume_from_checkpoint true|RUN_DIR|CHECKPOINT, and a run folder of its own.
         settle_run_folder(training_args, argv, reuse=run_args.reuse_output_dir)
         if data_args.train_file is not None:  # ignored then: metrics.json records the files
@@ -260,7 +265,15 @@ class RecipeRun:
             model=model_args.model_name_or_path,
         )
         check_model_path(model_args.model_name_or_path, task)
-        return cls(name, model_args, data_args, training_args, started, argv=tuple(argv))
+        return cls(
+            name,
+            model_args,
+            data_args,
+            training_args,
+            started,
+            argv=tuple(argv),
+            precision_note=launcher.note,
+        )
 
     def given(self, *names: str) -> set[str]:
         """Which of ``names`` the command line set, as opposed to the config file or the
@@ -283,6 +296,8 @@ class RecipeRun:
         logging.getLogger(self.name).info(
             "precision=%s device=%s world_size=%d", args.precision, args.device, args.world_size
         )
+        if self.precision_note:
+            logging.getLogger(self.name).warning(self.precision_note)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
