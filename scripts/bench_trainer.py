@@ -583,6 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report += "\n\n" + diffs
     print(report)
     if args.output is not None:
+        _write(args.output, report)
         print(f"\nwritten to {args.output}")
     return 0 if all(math.isfinite(r["mean_loss"]) for rs in runs.values() for r in rs) else 1
 
