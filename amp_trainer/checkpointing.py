@@ -441,6 +441,12 @@ class _JITCheckpointBetweenSteps(JITCheckpointCallback):
     step starts is saved at once (the state of the step before), and nothing is evaluated or
     saved after it. Either way ``scaler.pt`` and ``amp_trainer_state.json`` are those of the
     step the folder is named after, and a resumed run continues as the uninterrupted one would.
+
+    With several processes each has its own signal handler and grace timer, and the signal may
+    reach only some of them (or their timers end in different steps): a rank that stopped alone
+    would leave the others waiting in the next step's gradient all-reduce until the orchestrator
+    kills them all, without a checkpoint. So the processes decide together, at each step's end
+    (one all-reduce of one number per optimizer step), and all save and stop at the same step.
     Takes over the stock callback's manager, so the SIGTERM handler, its grace period and the
     handler's removal at the end of training are transformers' own.
     """
@@ -451,13 +457,21 @@ class _JITCheckpointBetweenSteps(JITCheckpointCallback):
         self._saving = False
 
     def _requested(self) -> bool:
-        return bool(self.jit_manager.is_checkpoint_requested)
+        """Whether SIGTERM's grace period is over here, or, with several processes, anywhere."""
+        requested = bool(self.jit_manager.is_checkpoint_requested)
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes <= 1:
+            return requested
+        flag = torch.tensor([float(requested)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.jit_checkpoint = None
         self._saving = False
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.trainer.accelerator.num_processes > 1:
+            return  # the processes agree at the step's end: one all-reduce per step, not two
         if self._requested():  # between two steps: checkpoint-N holds step N
             control.should_training_stop = True
             self.jit_manager.execute_jit_checkpoint()  # stock's save, with its "incomplete" marker
@@ -474,14 +488,14 @@ class _JITCheckpointBetweenSteps(JITCheckpointCallback):
 
     def _save_here(self, control: Any) -> None:
         """At a step's end: save through the stock path if SIGTERM came; no work after it."""
-        if self._requested():
+        if self.trainer.jit_checkpoint is not None or self._saving:
+            control.should_save = control.should_evaluate = False  # saved: nothing after it
+        elif self._requested():
             self.jit_manager.is_checkpoint_requested = False
             control.should_training_stop = True
             control.should_save = True
             control.should_evaluate = False  # the grace period is for the checkpoint
             self._saving = True
-        elif self.trainer.jit_checkpoint is not None or self._saving:
-            control.should_save = control.should_evaluate = False
 
     def on_save(self, args, state, control, **kwargs):
         if self._saving:
