@@ -69,7 +69,7 @@ class SendSigterm(TrainerCallback):
             self._terminate()
 
 
-def _trainer(output_dir, *callbacks, **overrides) -> AmpTrainer:
+def _trainer(output_dir, *callbacks, eval_dataset=None, **overrides) -> AmpTrainer:
     model = make_tiny_bert()  # dropout 0.1: a resume with another RNG state trains differently
     args = tiny_training_args(
         output_dir,
@@ -82,13 +82,14 @@ def _trainer(output_dir, *callbacks, **overrides) -> AmpTrainer:
         model=model,
         args=args,
         train_dataset=ToyClassification(),
+        eval_dataset=eval_dataset,
         callbacks=[InjectOverflow(model.classifier.weight, OVERFLOW_STEPS), *callbacks],
     )
 
 
-def _terminated_run(output_dir, when: str) -> tuple[AmpTrainer, SendSigterm]:
+def _terminated_run(output_dir, when: str, **overrides) -> tuple[AmpTrainer, SendSigterm]:
     sigterm = SendSigterm(STOP_STEP, when)
-    trainer = _trainer(output_dir, sigterm, enable_jit_checkpoint=True)
+    trainer = _trainer(output_dir, sigterm, enable_jit_checkpoint=True, **overrides)
     callbacks = trainer.callback_handler.callbacks
     (jit,) = [cb for cb in callbacks if isinstance(cb, JITCheckpointCallback)]
     sigterm.manager = jit.jit_manager
@@ -109,7 +110,9 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_sigterm_inside_a_step_saves_at_its_end_with_the_live_scaler_state(tmp_path):
-    trainer, _ = _terminated_run(tmp_path, "inside")
+    # An evaluation every step: the one due at the stop is left out (the grace period is short).
+    evals = dict(eval_dataset=ToyClassification(8, seed=1), eval_strategy="steps", eval_steps=1)
+    trainer, _ = _terminated_run(tmp_path, "inside", **evals)
 
     checkpoint = tmp_path / f"checkpoint-{STOP_STEP}"
     # The step under way is finished and saved (stock saves checkpoint-2 inside step 3, then
@@ -124,17 +127,19 @@ def test_sigterm_inside_a_step_saves_at_its_end_with_the_live_scaler_state(tmp_p
     amp_state = json.loads((checkpoint / AMP_STATE_FILE).read_text())
     assert amp_state["scale_history"] == trainer.scale_history
     assert [e["step"] for e in amp_state["scale_history"]] == [1, 2, 3]
+    evaluated = [e["step"] for e in trainer.state.log_history if "eval_loss" in e]
+    assert evaluated == [1, 2]
 
 
 def test_sigterm_between_steps_saves_the_step_before_and_nothing_after(tmp_path):
-    trainer, _ = _terminated_run(tmp_path, "between")
+    trainer, _ = _terminated_run(tmp_path, "between", save_strategy="steps", save_steps=1)
 
     checkpoint = tmp_path / f"checkpoint-{STOP_STEP}"
     assert trainer.jit_checkpoint == str(checkpoint)
     # Seen at the next step's begin: saved at once, then that step runs (Trainer cannot skip
-    # it) and is neither saved nor followed by an evaluation.
+    # it) and is not saved (save_steps=1; stock saves it, as a later checkpoint than SIGTERM's).
     assert trainer.state.global_step == STOP_STEP + 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"checkpoint-{n}" for n in (1, 2, 3)]
     history = json.loads((checkpoint / AMP_STATE_FILE).read_text())["scale_history"]
     assert history == trainer.scale_history[:STOP_STEP]
 
