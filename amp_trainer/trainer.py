@@ -283,6 +283,10 @@ class AmpTrainerMixin(Trainer):
         resume_overrides: ``{field: {"given": ..., "used": ...}}`` for each loss-scaler argument
             that the checkpoint's scaler state overrode on resume (also logged, and written back
             into ``args`` so that what is recorded is what ran).
+        jit_checkpoint: the ``checkpoint-N`` folder the last ``train()`` saved on SIGTERM
+            (``enable_jit_checkpoint``) before it stopped early and returned, else ``None``. It
+            is saved between two optimizer steps with that step's scaler state and scale
+            history, so resuming from it continues the run as if it had not stopped.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -316,11 +320,13 @@ class AmpTrainerMixin(Trainer):
         self.loss_scaler: DynamicLossScaler | None = None
         self.scale_history: list[dict[str, Any]] = []
         self.resume_overrides: dict[str, dict[str, Any]] = {}
+        self.jit_checkpoint: str | None = None
         self._checkpoints = CheckpointKeeper(self)
         self._last_step_skipped = False
         self._forward_overflow: ForwardOverflowGuard | None = None
         super().__init__(*args, **kwargs)
         self._place_loss_scale_monitor()
+        self._checkpoints.take_over_jit_checkpoint()
 
         stock = self.model_accepts_loss_kwargs
         self.model_accepts_loss_kwargs = _forward_consumes_num_items(
@@ -514,6 +520,7 @@ class AmpTrainerMixin(Trainer):
         max_steps``), trains one more step every time. Here the checkpoint's model and state are
         loaded and its final training metrics returned, with a warning naming the checkpoint.
         """
+        self.jit_checkpoint = None
         checkpoint = self._checkpoints.start(resume_from_checkpoint)
         done = self._checkpoints.finished_run(checkpoint, load=self._load_from_checkpoint)
         if done is not None:

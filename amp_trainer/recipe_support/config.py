@@ -35,6 +35,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_TERMINATED",
     "EXIT_USAGE",
     "RunArguments",
     "UsageError",
@@ -49,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+# 128 + SIGTERM: a preempted run (--enable_jit_checkpoint) saved its checkpoint and wants to be
+# restarted; not 0, so that a Kubernetes Job restarts it and a SLURM script can tell it apart.
+EXIT_TERMINATED = 143
 
 
 class UsageError(ValueError):
@@ -125,8 +129,8 @@ def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | 
     ``AMP_TRAINER_DEBUG`` environment variable) also prints the traceback; without it the
     traceback of a runtime failure is written to a log file whose path ends the line.
     ``KeyboardInterrupt`` (Ctrl-C) is one line too, its own message if it has one (a recipe's
-    says how to resume), exit 130 as a shell reports SIGINT; ``SystemExit`` (``--help``) passes
-    through untouched.
+    says how to resume), exit 130 as a shell reports SIGINT, or its ``exit_code`` (a recipe's
+    stop on SIGTERM: 143); ``SystemExit`` (``--help``) passes through untouched.
     """
     if debug is None:
         debug = os.environ.get("AMP_TRAINER_DEBUG", "").lower() not in ("", "0", "false", "no")
@@ -134,7 +138,7 @@ def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | 
         code = main()
     except KeyboardInterrupt as err:
         print(f"{prog}: {str(err) or 'interrupted'}", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return int(getattr(err, "exit_code", EXIT_INTERRUPTED))
     except Exception as err:  # the one place every failure is reported
         code, message = describe_error(err)
         logger.debug("%s failed", prog, exc_info=True)

@@ -27,12 +27,14 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from amp_trainer.recipe_support.config import UsageError
+from amp_trainer.recipe_support.config import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError
 
 __all__ = [
     "ResumeInterrupted",
+    "RunPreempted",
     "interrupted",
     "last_complete_checkpoint",
+    "preempted",
     "resolve_checkpoint",
     "resume_command",
     "resumed_from_line",
@@ -48,6 +50,16 @@ _STEP = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
 class ResumeInterrupted(KeyboardInterrupt):
     """Ctrl-C during training; its message is the one line to print, with the resume command."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+class RunPreempted(ResumeInterrupted):
+    """SIGTERM with ``--enable_jit_checkpoint``: the checkpoint is saved and the run stops; the
+    message is the one line to print, with the resume command. Exit 143, as a shell reports a
+    process ended by SIGTERM (the orchestrator's restart policy takes it from there)."""
+
+    exit_code = EXIT_TERMINATED
 
 
 def _flag_given(argv: Sequence[str], name: str) -> bool:
@@ -202,11 +214,16 @@ def settle_run_folder(training_args: Any, argv: Sequence[str], *, reuse: bool) -
 
 def resumed_from_line(checkpoint: str) -> str:
     """ "Resumed from CHECKPOINT at step N (loss scale S)": what the run logs as it resumes."""
+    step, scale = _step_and_scale(Path(checkpoint))
+    return f"Resumed from {checkpoint} at step {step} (loss scale {scale})"
+
+
+def _step_and_scale(path: Path) -> tuple[str, str]:
+    """The checkpoint's step and loss scale as they are said (from its files, not the run)."""
     import json
 
     import torch
 
-    path = Path(checkpoint)
     try:
         step = json.loads((path / _STATE_FILE).read_text(encoding="utf-8"))["global_step"]
     except (OSError, ValueError, KeyError):
@@ -218,12 +235,13 @@ def resumed_from_line(checkpoint: str) -> str:
             scale = f"{float(torch.load(scaler, map_location='cpu', weights_only=True)['scale']):g}"
         except Exception:  # only for the message; loading the scaler itself reports failures
             scale = "unreadable scaler.pt"
-    return f"Resumed from {checkpoint} at step {step} (loss scale {scale})"
+    return str(step), scale
 
 
-def resume_command(argv: Sequence[str], output_dir: str) -> str:
+def resume_command(argv: Sequence[str], output_dir: str, checkpoint: str | None = None) -> str:
     """The command that resumes this run: the same flags, ``--resume_from_checkpoint`` set to
-    the last complete checkpoint in ``output_dir`` (the caller checks that there is one)."""
+    ``checkpoint`` (default: the last complete one in ``output_dir``; the caller checks that
+    there is one)."""
     kept: list[str] = []
     skip = False
     for arg in argv:
@@ -237,7 +255,7 @@ def resume_command(argv: Sequence[str], output_dir: str) -> str:
         kept.append(arg)
     launched = "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
     prefix = ["accelerate", "launch"] if launched else ["python"]
-    last = last_complete_checkpoint(output_dir)
+    last = checkpoint or last_complete_checkpoint(output_dir)
     return shlex.join(
         [*prefix, sys.argv[0], *kept, "--output_dir", output_dir, "--resume_from_checkpoint", last]
     )
@@ -253,4 +271,14 @@ def interrupted(argv: Sequence[str], output_dir: str) -> ResumeInterrupted:
         )
     return ResumeInterrupted(
         f"interrupted before the first checkpoint in {output_dir} (save_steps): nothing to resume"
+    )
+
+
+def preempted(argv: Sequence[str], output_dir: str, checkpoint: str) -> RunPreempted:
+    """The one-line :class:`RunPreempted` for a run that saved ``checkpoint`` on SIGTERM."""
+    step, scale = _step_and_scale(Path(checkpoint))
+    return RunPreempted(
+        f"stopped by SIGTERM (--enable_jit_checkpoint); {Path(checkpoint).name} saved at step "
+        f"{step} (loss scale {scale}). Resume with: "
+        f"{resume_command(argv, output_dir, checkpoint)}"
     )

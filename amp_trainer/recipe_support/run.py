@@ -78,7 +78,12 @@ from amp_trainer.recipe_support.reporting import (
     summarize_loss_scale,
     validation_size_hint,
 )
-from amp_trainer.recipe_support.resume import interrupted, resumed_from_line, settle_run_folder
+from amp_trainer.recipe_support.resume import (
+    interrupted,
+    preempted,
+    resumed_from_line,
+    settle_run_folder,
+)
 
 if TYPE_CHECKING:
     from transformers.trainer_utils import TrainOutput
@@ -316,7 +321,11 @@ class RecipeRun:
 
     def train_evaluate_save(self, trainer: AmpTrainer) -> tuple[TrainOutput, dict[str, float]]:
         """Train (from ``--resume_from_checkpoint`` if given), evaluate, and save the final
-        model (LoRA: the adapter) and the tokenizer: the phases train, evaluate and save."""
+        model (LoRA: the adapter) and the tokenizer: the phases train, evaluate and save.
+
+        Ctrl-C, or SIGTERM with ``--enable_jit_checkpoint`` (after its checkpoint is saved),
+        ends the run here: one line with the command that resumes (exit 130, 143), no
+        evaluation, final model or metrics.json, as the run did not finish."""
         with self.phase("train"):
             resume = self.training_args.resume_from_checkpoint
             if resume is not None:
@@ -326,6 +335,9 @@ class RecipeRun:
             except KeyboardInterrupt:  # Ctrl-C: one line with the command that resumes
                 _close_progress_bars(trainer)
                 raise interrupted(self.argv, self.training_args.output_dir) from None
+            if trainer.jit_checkpoint is not None:  # SIGTERM (--enable_jit_checkpoint): saved
+                _close_progress_bars(trainer)
+                raise preempted(self.argv, self.training_args.output_dir, trainer.jit_checkpoint)
         with self.phase("evaluate"):
             eval_metrics = trainer.evaluate()
         with self.phase("save"):
