@@ -310,11 +310,14 @@ def diff_profiles(profile_dir: Path, base: str, other: str, top: int = 12) -> st
         ta, tb = ea.get("self_cpu_us", 0.0), eb.get("self_cpu_us", 0.0)
         rows.append((tb - ta, name, ta, tb, ea.get("calls", 0.0), eb.get("calls", 0.0)))
     rows.sort(key=lambda r: -abs(r[0]))
+    share_a = 100 * rest_a / (gemm_a + rest_a)
+    share_b = 100 * rest_b / (gemm_b + rest_b)
     lines = [
         f"### {other} vs {base}: self CPU time per profiled step",
         "",
-        f"- GEMM ({', '.join(GEMM_OPS)}): {gemm_a:.1f} ms vs {gemm_b:.1f} ms; everything else: "
-        f"{rest_a:.1f} ms vs {rest_b:.1f} ms",
+        f"- GEMM ({', '.join(GEMM_OPS)}): {base} {gemm_a:.1f} ms, {other} {gemm_b:.1f} ms",
+        f"- everything else: {base} {rest_a:.1f} ms ({share_a:.1f} % of its step), {other} "
+        f"{rest_b:.1f} ms ({share_b:.1f} %)",
         "- the GEMM calls (operator, shapes, dtypes, calls per step) are "
         + ("identical" if same else "DIFFERENT")
         + f" ({sum(calls(a).values())} vs {sum(calls(b).values())} per step)",

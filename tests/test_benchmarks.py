@@ -251,5 +251,6 @@ def test_diff_profiles_says_when_the_gemm_calls_differ(tmp_path):
     assert "are DIFFERENT (2 vs 3 per step)" in bench_trainer.diff_profiles(tmp_path, "a", "b")
     text = bench_trainer.diff_profiles(tmp_path, "a", "c")
     assert "are identical (2 vs 2 per step)" in text
-    assert "GEMM (aten::mm, aten::addmm, aten::bmm, aten::baddbmm): 1.0 ms vs 1.2 ms" in text
+    assert "GEMM (aten::mm, aten::addmm, aten::bmm, aten::baddbmm): a 1.0 ms, c 1.2 ms" in text
+    assert "everything else: a 0.1 ms (4.8 % of its step), c 0.1 ms (4.0 %)" in text
     assert "| `aten::mm` | 1.00 | 1.20 | +0.20 | 2 | 2 |" in text
