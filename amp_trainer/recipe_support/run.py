@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from transformers import HfArgumentParser
 
 from amp_trainer import AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
+from amp_trainer.precision import CpuFp16Warning
 from amp_trainer.recipe_support.config import (
     RunArguments,
     check_output_dir,
@@ -62,6 +64,7 @@ from amp_trainer.recipe_support.models import (
     check_sequence_length,
     classification_tokenizer,
 )
+from amp_trainer.recipe_support.output import no_pin_memory_on_cpu, recipe_output
 from amp_trainer.recipe_support.reporting import (
     activation_memory,
     describe_activation_memory,
@@ -203,7 +206,11 @@ class RecipeRun:
     started: float
     phase_seconds: dict[str, float] = field(default_factory=dict)
     argv: tuple[str, ...] = ()  # the flags as given: the resume command repeats them
+    # Said while parsing, logged by start() once logging is set up (the CPU FP16 notice).
+    notices: list[str] = field(default_factory=list)
     _phase_start: float = field(init=False)
+    # The run's output policy (recipe_support/output.py): entered by start(), left by finish().
+    _output: contextlib.ExitStack = field(init=False, default_factory=contextlib.ExitStack)
 
     def __post_init__(self) -> None:
         self._phase_start = self.started
@@ -227,9 +234,18 @@ class RecipeRun:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         started = time.perf_counter()
         parser = HfArgumentParser((model_class, data_class, RunArguments, AmpTrainingArguments))
-        model_args, data_args, run_args, training_args = parse_args_with_config(
-            parser, argv, default_config
-        )
+        # FP16 on a CPU is a CpuFp16Warning, raised inside the dataclass __init__ that argparse
+        # calls: printed as a warning it names "<string>:131", no file of the user's. A recipe
+        # user wrote no code to point at, so it becomes one log line (start()) instead.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CpuFp16Warning)
+            model_args, data_args, run_args, training_args = parse_args_with_config(
+                parser, argv, default_config
+            )
+        notices = [str(w.message) for w in caught if issubclass(w.category, CpuFp16Warning)]
+        for other in caught:  # anything else is shown as it would have been
+            if not issubclass(other.category, CpuFp16Warning):
+                warnings.showwarning(other.message, other.category, other.filename, other.lineno)
         # --resume_from_checkpoint true|RUN_DIR|CHECKPOINT, and a run folder of its own.
         settle_run_folder(training_args, argv, reuse=run_args.reuse_output_dir)
         if data_args.train_file is not None:  # ignored then: metrics.json records the files
@@ -242,7 +258,9 @@ class RecipeRun:
             model=model_args.model_name_or_path,
         )
         check_model_path(model_args.model_name_or_path, task)
-        return cls(name, model_args, data_args, training_args, started, argv=tuple(argv))
+        return cls(
+            name, model_args, data_args, training_args, started, argv=tuple(argv), notices=notices
+        )
 
     def start(self, *, count_input_tokens: str) -> None:
         """Logging, seed and the precision line. ``count_input_tokens``: how the Trainer counts
@@ -257,9 +275,14 @@ class RecipeRun:
         )
         transformers.utils.logging.set_verbosity(args.get_process_log_level())
         transformers.set_seed(args.seed)
-        logging.getLogger(self.name).info(
+        self._output.enter_context(recipe_output(disable_tqdm=bool(args.disable_tqdm)))
+        no_pin_memory_on_cpu(args)
+        log = logging.getLogger(self.name)
+        log.info(
             "precision=%s device=%s world_size=%d", args.precision, args.device, args.world_size
         )
+        for notice in self.notices if args.should_log else ():  # the same on every rank
+            log.warning(notice)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -318,6 +341,7 @@ class RecipeRun:
             # threads were alive was seen to abort ("terminate called without an active
             # exception").
             trainer.accelerator.end_training()
+            self._output.close()
             return
         model_args, args = self.model_args, self.training_args
         output_dir = Path(args.output_dir)
@@ -405,3 +429,4 @@ class RecipeRun:
             print(line)
         print(format_table(rows, title=f"{self.name}: {model_args.model_name_or_path}"))
         trainer.accelerator.end_training()
+        self._output.close()
