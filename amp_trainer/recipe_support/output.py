@@ -16,8 +16,16 @@ run, and only then (nothing changes at import; :func:`recipe_output` restores wh
   torch warn once per DataLoader that no accelerator is found when the run is on a CPU; pinning
   means nothing there, so :func:`no_pin_memory_on_cpu` turns it off for CPU runs.
 
+One notice of our own changes form: FP16 on a CPU is a
+:class:`~amp_trainer.precision.CpuFp16Warning` for code that builds ``AmpTrainingArguments``,
+located at the caller's line. In a recipe the
+caller is the ``__init__`` that ``@dataclass`` generated, called by argparse ("<string>:131:" was
+the location a user saw), and the user wrote no code to point at: :func:`cpu_fp16_notices` keeps
+the message, and the recipe logs it as one line.
+
 The tokenizers library's own trainer bars (a from-scratch tokenizer) follow the same switch:
-see :func:`progress_bars_enabled`.
+see :func:`progress_bars_enabled`. GPT-2's "`loss_type=None` ... unrecognized" line is answered
+where the model is built (``models.build_causal_lm``).
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ import contextlib
 import logging
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "cpu_fp16_notices",
     "no_pin_memory_on_cpu",
     "progress_bars_enabled",
     "recipe_output",
@@ -39,9 +49,9 @@ logger = logging.getLogger(__name__)
 
 # SGR sequences ("\x1b[1m", "\x1b[0m", "\x1b[38;5;208m"): the only escapes transformers writes.
 _SGR = re.compile(r"\x1b\[[0-9;]*m")
-# The loggers whose records carry colour codes regardless of the stream (transformers logs the
-# load report through modeling_utils' logger).
-_COLOURED_LOGGERS = ("transformers.modeling_utils",)
+# The loggers whose records carry colour codes regardless of the stream: transformers logs the
+# load report through modeling_utils' logger (5.24), else through loading_report's own.
+_COLOURED_LOGGERS = ("transformers.modeling_utils", "transformers.utils.loading_report")
 
 
 class _StripColourCodes(logging.Filter):
@@ -60,6 +70,24 @@ def _stream_is_terminal(stream: Any) -> bool:
         return bool(isatty()) if callable(isatty) else False
     except ValueError:  # a closed stream
         return False
+
+
+@contextlib.contextmanager
+def cpu_fp16_notices() -> Iterator[list[str]]:
+    """Collect the messages of the :class:`~amp_trainer.precision.CpuFp16Warning` raised inside,
+    instead of printing them; every other warning is shown as it would have been."""
+    from amp_trainer.precision import CpuFp16Warning
+
+    notices: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CpuFp16Warning)
+        try:
+            yield notices
+        finally:
+            others = [w for w in caught if not issubclass(w.category, CpuFp16Warning)]
+            notices += [str(w.message) for w in caught if issubclass(w.category, CpuFp16Warning)]
+    for other in others:  # outside catch_warnings: shown by the caller's warning display
+        warnings.showwarning(other.message, other.category, other.filename, other.lineno)
 
 
 def progress_bars_enabled() -> bool:

@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +37,6 @@ from transformers import HfArgumentParser
 
 from amp_trainer import AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.precision import CpuFp16Warning
 from amp_trainer.recipe_support.config import (
     RunArguments,
     check_output_dir,
@@ -64,7 +62,11 @@ from amp_trainer.recipe_support.models import (
     check_sequence_length,
     classification_tokenizer,
 )
-from amp_trainer.recipe_support.output import no_pin_memory_on_cpu, recipe_output
+from amp_trainer.recipe_support.output import (
+    cpu_fp16_notices,
+    no_pin_memory_on_cpu,
+    recipe_output,
+)
 from amp_trainer.recipe_support.reporting import (
     activation_memory,
     describe_activation_memory,
@@ -234,18 +236,12 @@ class RecipeRun:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         started = time.perf_counter()
         parser = HfArgumentParser((model_class, data_class, RunArguments, AmpTrainingArguments))
-        # FP16 on a CPU is a CpuFp16Warning, raised inside the dataclass __init__ that argparse
-        # calls: printed as a warning it names "<string>:131", no file of the user's. A recipe
-        # user wrote no code to point at, so it becomes one log line (start()) instead.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", CpuFp16Warning)
+        # The CPU FP16 notice is said by the training arguments' own __init__, before logging
+        # is set up: kept here, logged by start() (see cpu_fp16_notices).
+        with cpu_fp16_notices() as notices:
             model_args, data_args, run_args, training_args = parse_args_with_config(
                 parser, argv, default_config
             )
-        notices = [str(w.message) for w in caught if issubclass(w.category, CpuFp16Warning)]
-        for other in caught:  # anything else is shown as it would have been
-            if not issubclass(other.category, CpuFp16Warning):
-                warnings.showwarning(other.message, other.category, other.filename, other.lineno)
         # --resume_from_checkpoint true|RUN_DIR|CHECKPOINT, and a run folder of its own.
         settle_run_folder(training_args, argv, reuse=run_args.reuse_output_dir)
         if data_args.train_file is not None:  # ignored then: metrics.json records the files
