@@ -146,10 +146,14 @@ def _warn_cpu_fp16() -> None:
             return
         _warned_cpu_fp16 = True
     # Point the warning at the first caller outside amp_trainer (the user's script, or the
-    # library that built the Trainer/Accelerator), not at our internals.
+    # library that built the Trainer/Accelerator), not at our internals, nor at generated code
+    # with no file: AmpTrainingArguments(...) runs our __post_init__ from the __init__ that
+    # @dataclass writes, whose frame is "<string>" (the warning read "<string>:131:").
     package_dir = os.path.dirname(os.path.abspath(__file__))
     frame, stacklevel = sys._getframe(1), 2
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(package_dir):
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(package_dir) or frame.f_code.co_filename.startswith("<")
+    ):
         frame, stacklevel = frame.f_back, stacklevel + 1
     warnings.warn(
         "fp16 on CPU runs for real (autocast to float16 plus dynamic loss scaling), but CPUs "

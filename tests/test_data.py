@@ -131,14 +131,31 @@ def test_string_labels_from_csv_get_sorted_ids(tmp_path):
 
 def test_missing_label_column_names_the_column_and_the_available_ones(tmp_path):
     train = write_csv(tmp_path / "t.csv", "text,target", ["a b c,1", "d e f,0"])
-    with pytest.raises(DataError, match=r"column 'label' not found .*\['text', 'target'\]"):
+    with pytest.raises(
+        DataError, match=r"column 'label' \(--label_column\) not found .*\['text', 'target'\]"
+    ):
         data.load_text_classification(train_file=train, validation_file=train)
 
 
 def test_missing_text_column_is_an_error_naming_the_candidates(tmp_path):
     train = write_csv(tmp_path / "t.csv", "review,label", ["a b c,1", "d e f,0"])
-    with pytest.raises(DataError, match=r"no text column .*'sentence', 'text'"):
+    with pytest.raises(
+        DataError, match=r"no text column: none of \['sentence', 'text'\].*--text_column"
+    ):
         data.load_text_classification(train_file=train, validation_file=train)
+
+
+def test_every_missing_column_is_named_in_one_error_with_its_flag(tmp_path):
+    train = write_csv(tmp_path / "t.csv", "q,target", ["a b c,1", "d e f,0"])
+    with pytest.raises(DataError) as caught:
+        data.load_text_classification(
+            train_file=train, validation_file=train, text_column="query", text_column_2="answer"
+        )
+    message = str(caught.value)
+    for column, flag in (("query", "--text_column"), ("answer", "--text_column_2")):
+        assert f"column {column!r} ({flag}) not found in the train and validation splits" in message
+    assert "column 'label' (--label_column) not found" in message
+    assert message.endswith("available columns: ['q', 'target']")
 
 
 def test_empty_train_file_is_an_error_naming_the_file(tmp_path):
@@ -223,7 +240,7 @@ def test_corpus_shorter_than_one_block_is_an_error(bpe, tmp_path):
 
 def test_lm_corpus_missing_text_column_is_an_error(tmp_path):
     train = write_csv(tmp_path / "t.csv", "body", ["some text here", "more text"])
-    with pytest.raises(DataError, match=r"column 'text' not found"):
+    with pytest.raises(DataError, match=r"column 'text' \(--text_column\) not found"):
         data.load_lm_corpus(train_file=train, validation_file=train)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import sys
 import warnings
 
 import pytest
@@ -54,6 +55,20 @@ def test_cpu_fp16_warning_points_at_the_caller_not_at_amp_trainer(monkeypatch):
         warnings.simplefilter("always")
         resolve_precision("fp16", "cpu")
     assert [w.filename for w in caught if issubclass(w.category, CpuFp16Warning)] == [__file__]
+
+
+def test_cpu_fp16_warning_from_training_arguments_points_at_the_callers_line(monkeypatch, tmp_path):
+    # AmpTrainingArguments resolves its precision in __post_init__, called from the __init__
+    # that @dataclass generates (a "<string>" frame): the warning named "<string>:131" before.
+    from amp_trainer import AmpTrainingArguments
+
+    monkeypatch.setattr(precision, "_warned_cpu_fp16", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        AmpTrainingArguments(output_dir=str(tmp_path), precision="fp16", use_cpu=True)
+    located = [(w.filename, w.lineno) for w in caught if issubclass(w.category, CpuFp16Warning)]
+    assert located == [(__file__, line)]
 
 
 def test_auto_on_cpu_is_bf16_exactly_when_the_cpu_has_native_bf16():

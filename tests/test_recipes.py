@@ -147,7 +147,7 @@ def bad_csv(tmp_path: Path, header: str, rows: list[str]) -> str:
 @pytest.mark.parametrize(
     ("header", "rows", "extra", "message"),
     [
-        ("text,target", ["a film,1", "a book,0"], [], "column 'label' not found"),
+        ("text,target", ["a film,1", "a book,0"], [], "column 'label' (--label_column) not found"),
         ("", [], [], "is empty"),
         ("text,label", ["a film,1", "a book,0"], ["--num_labels", "3"], "num_labels=3"),
     ],

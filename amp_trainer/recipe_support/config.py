@@ -191,21 +191,21 @@ def check_output_dir(
     """
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
-        raise UsageError(f"output_dir {str(path)!r} exists and is not a folder")
+        raise UsageError(f"--output_dir {str(path)!r} exists and is not a folder")
     if model is not None:
         source = Path(os.path.expanduser(str(model)))
         if source.is_dir() and path.is_dir() and source.resolve() == path.resolve():
             raise UsageError(
-                f"output_dir {str(path)!r} is the model folder being fine-tuned "
-                f"(model_name_or_path {str(model)!r}): saving would replace the source model "
-                "with the fine-tuned one. Choose another output_dir."
+                f"--output_dir {str(path)!r} is the model folder being fine-tuned "
+                f"(--model_name_or_path {str(model)!r}): saving would replace the source model "
+                "with the fine-tuned one. Choose another --output_dir."
             )
     own_checkpoint = resuming
     if resume_from is not None:
         checkpoint = Path(resume_from)
         if not checkpoint.is_dir():
             raise UsageError(
-                f"resume_from_checkpoint {str(resume_from)!r} is not a folder: pass a "
+                f"--resume_from_checkpoint {str(resume_from)!r} is not a folder: pass a "
                 "checkpoint-N folder written by a previous run"
             )
         own_checkpoint = path.is_dir() and checkpoint.resolve().parent == path.resolve()
@@ -221,16 +221,16 @@ def check_output_dir(
     shown = ", ".join(previous[:3]) + (" ..." if len(previous) > 3 else "")
     if resume_from is not None:
         raise UsageError(
-            f"output_dir {str(path)!r} holds another run ({shown}); resuming "
+            f"--output_dir {str(path)!r} holds another run ({shown}); resuming "
             f"{str(resume_from)!r} (a checkpoint of another folder) there would overwrite it. "
             f"Resume into the checkpoint's own folder (--output_dir "
-            f"{str(Path(resume_from).parent)!r}), choose another output_dir, or pass "
+            f"{str(Path(resume_from).parent)!r}), choose another --output_dir, or pass "
             "--reuse_output_dir true to keep both there"
         )
     raise UsageError(
-        f"output_dir {str(path)!r} holds a previous run ({shown}); pass "
+        f"--output_dir {str(path)!r} holds a previous run ({shown}); pass "
         "--resume_from_checkpoint to continue it, --reuse_output_dir true to start a new run "
-        "there (its checkpoints are kept), or choose another output_dir"
+        "there (its checkpoints are kept), or choose another --output_dir"
     )
 
 

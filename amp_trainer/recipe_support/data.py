@@ -309,10 +309,10 @@ def _load_raw(
                 f"cannot read the data file(s) {sorted(files.values())}: {_root_cause(err)}"
             ) from err
     elif validation_file is not None:
-        raise DataError("validation_file was given without train_file; pass both or neither")
+        raise DataError("--validation_file was given without --train_file; pass both or neither")
     else:
         if not dataset_name:
-            raise DataError("no data: pass dataset_name, or train_file (and validation_file)")
+            raise DataError("no data: pass --dataset_name, or --train_file (and --validation_file)")
         raw = load_dataset(dataset_name, dataset_config_name)
     if not isinstance(raw, DatasetDict) or "train" not in raw:
         raise DataError(f"dataset {dataset_name!r} has no 'train' split")
@@ -348,14 +348,36 @@ def _root_cause(err: BaseException) -> str:
     return text
 
 
-def _require_columns(raw: DatasetDict, columns: Iterable[str], source: str) -> None:
-    for split, ds in raw.items():
-        missing = [c for c in columns if c not in ds.column_names]
-        if missing:
-            raise DataError(
-                f"column {missing[0]!r} not found in the {split} split of {source}; "
-                f"available columns: {ds.column_names}"
+def _require_columns(raw: DatasetDict, columns: dict[str, str], source: str) -> None:
+    """Fail if any of ``columns`` (``{column: its flag}``) is missing from any split, naming every
+    missing column in one error: a file with two wrong names is fixed in one run, not two."""
+    problems = _missing_columns(raw, columns)
+    if problems:
+        raise DataError(_columns_error(raw, problems, source))
+
+
+def _missing_columns(raw: DatasetDict, columns: dict[str, str]) -> list[str]:
+    """One phrase per missing column: which column, its flag, and the splits that lack it."""
+    problems = []
+    for column, flag in columns.items():
+        lacking = [split for split, ds in raw.items() if column not in ds.column_names]
+        if lacking:
+            where = " and ".join(lacking)
+            problems.append(
+                f"column {column!r} ({flag}) not found in the {where} split"
+                + ("s" if len(lacking) > 1 else "")
             )
+    return problems
+
+
+def _columns_error(raw: DatasetDict, problems: list[str], source: str) -> str:
+    """``problems`` about ``source`` as one message that ends with the columns there are."""
+    names = {split: ds.column_names for split, ds in raw.items()}
+    if len({tuple(v) for v in names.values()}) == 1:
+        available = f"available columns: {next(iter(names.values()))}"
+    else:
+        available = "available columns: " + ", ".join(f"{k} {v}" for k, v in names.items())
+    return f"{source}: " + "; ".join(problems) + f"; {available}"
 
 
 def load_text_classification(
@@ -388,16 +410,23 @@ def load_text_classification(
             validation_split_percentage,
         )
     source = repr(train_file or dataset_name)
+    # Every column the task needs is checked in one pass, so that one run reports them all.
+    problems = []
     if text_column is None:
         columns = raw["train"].column_names
         text_column = next((c for c in _DEFAULT_TEXT_COLUMNS if c in columns), None)
         if text_column is None:
-            raise DataError(
-                f"no text column in {source}: none of {list(_DEFAULT_TEXT_COLUMNS)} exists "
-                f"(columns: {columns}); pass text_column"
+            problems.append(
+                f"no text column: none of {list(_DEFAULT_TEXT_COLUMNS)} exists, "
+                "name yours with --text_column"
             )
-    text_columns = (text_column,) if text_column_2 is None else (text_column, text_column_2)
-    _require_columns(raw, [*text_columns, label_column], source)
+    wanted = {text_column: "--text_column", text_column_2: "--text_column_2"}
+    wanted = {column: flag for column, flag in wanted.items() if column is not None}
+    wanted.setdefault(label_column, "--label_column")
+    problems += _missing_columns(raw, wanted)
+    if problems:
+        raise DataError(_columns_error(raw, problems, source))
+    text_columns = tuple(c for c in (text_column, text_column_2) if c is not None)
 
     feature = raw["train"].features[label_column]
     names = getattr(feature, "names", None)
@@ -470,7 +499,7 @@ def load_lm_corpus(
         _TEXT_FILE_TYPES,
         validation_split_percentage,
     )
-    _require_columns(raw, [text_column], repr(train_file or dataset_name))
+    _require_columns(raw, {text_column: "--text_column"}, repr(train_file or dataset_name))
     raw = raw.select_columns([text_column])
     if text_column != "text":
         raw = raw.rename_column(text_column, "text")
@@ -545,6 +574,6 @@ def tokenize_and_chunk(
         if ds.num_rows == 0:
             raise DataError(
                 f"the {split} split has fewer than block_size={block_size} tokens; "
-                f"lower block_size or add text"
+                f"lower --block_size or add text"
             )
     return chunked

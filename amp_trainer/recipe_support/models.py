@@ -119,7 +119,7 @@ def check_model_path(name: str, task: str | None = None) -> None:
     if task is not None and name in _TINY_TASK and _TINY_TASK[name] != task:
         own = next(tiny for tiny, kind in _TINY_TASK.items() if kind == task)
         raise DataError(
-            f"model_name_or_path {name!r} is the from-scratch model of the {_TINY_TASK[name]} "
+            f"--model_name_or_path {name!r} is the from-scratch model of the {_TINY_TASK[name]} "
             f"recipe ({_RECIPE_SCRIPTS[_TINY_TASK[name]]}); this {task} recipe takes {own!r}, "
             + (f"{OFFLINE_MINILM!r}, " if task == CLASSIFICATION else "")
             + "a hub id or a local model folder"
@@ -130,10 +130,10 @@ def check_model_path(name: str, task: str | None = None) -> None:
     if not os.path.exists(path):
         return
     if not os.path.isdir(path):
-        raise DataError(f"model_name_or_path {name!r} is a file, not a model folder")
+        raise DataError(f"--model_name_or_path {name!r} is a file, not a model folder")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise DataError(
-            f"model_name_or_path {name!r} has no config.json: not a saved model folder (save one "
+            f"--model_name_or_path {name!r} has no config.json: not a saved model folder (save one "
             "with save_pretrained, or pass tiny-bert/tiny-gpt2 or a hub id)"
         )
 
@@ -341,8 +341,16 @@ def build_causal_lm(name: str, tokenizer: PreTrainedTokenizerBase, block_size: i
             pad_token_id=tokenizer.pad_token_id,
             **{**TINY_MODEL_CONFIGS[name], "n_positions": block_size},
         )
-        return GPT2LMHeadModel(config)
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(name))
+        model = GPT2LMHeadModel(config)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name))
+    # transformers derives ``loss_type`` from the class name, and "GPT2LMHeadModel" names no
+    # loss: its first loss then logs "`loss_type=None` was set in the config but it is
+    # unrecognized. Using the default loss: `ForCausalLMLoss`", though nobody set anything and
+    # that default is the right loss. Naming it keeps the same function and drops the line.
+    if getattr(model, "loss_type", "") is None:
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 def apply_lora(model: Any, task: str, r: int, alpha: int, dropout: float) -> Any:

@@ -115,7 +115,7 @@ def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
     if get_last_checkpoint(str(folder)) is None:
         raise UsageError(
             f"--resume_from_checkpoint {said}: {str(folder)!r} holds no {PREFIX_CHECKPOINT_DIR}-N "
-            f"folder ({_contents(folder)}); pass a run folder with checkpoints (save_strategy "
+            f"folder ({_contents(folder)}); pass a run folder with checkpoints (--save_strategy "
             "not 'no') or a checkpoint-N folder"
         )
     last = last_complete_checkpoint(folder)

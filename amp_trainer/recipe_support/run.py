@@ -65,6 +65,11 @@ from amp_trainer.recipe_support.models import (
     check_sequence_length,
     classification_tokenizer,
 )
+from amp_trainer.recipe_support.output import (
+    cpu_fp16_notices,
+    no_pin_memory_on_cpu,
+    recipe_output,
+)
 from amp_trainer.recipe_support.reporting import (
     LossScaleSummary,
     accuracy_against_majority,
@@ -228,7 +233,11 @@ class RecipeRun:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     argv: tuple[str, ...] = ()  # the flags as given: the resume command repeats them
     precision_note: str | None = None  # the launcher's precision and the recipe's disagreed
+    # Said while parsing, logged by start() once logging is set up (the CPU FP16 notice).
+    notices: list[str] = field(default_factory=list)
     _phase_start: float = field(init=False)
+    # The run's output policy (recipe_support/output.py): entered by start(), left by finish().
+    _output: contextlib.ExitStack = field(init=False, default_factory=contextlib.ExitStack)
 
     def __post_init__(self) -> None:
         self._phase_start = self.started
@@ -254,9 +263,12 @@ class RecipeRun:
         parser = HfArgumentParser((model_class, data_class, RunArguments, AmpTrainingArguments))
         # --precision beats accelerate launch's mixed_precision, which beats the config file's.
         launcher = LauncherPrecision(parser, argv)
-        model_args, data_args, run_args, training_args = parse_args_with_config(
-            parser, argv, default_config, reconcile=launcher.settle_config
-        )
+        # The CPU FP16 notice is said by the training arguments' own __init__, before logging
+        # is set up: kept here, logged by start() (see cpu_fp16_notices).
+        with cpu_fp16_notices() as notices:
+            model_args, data_args, run_args, training_args = parse_args_with_config(
+                parser, argv, default_config, reconcile=launcher.settle_config
+            )
         launcher.check(training_args.precision)
         # --resume_from_checkpoint true|RUN_DIR|CHECKPOINT, and a run folder of its own.
         settle_run_folder(training_args, argv, reuse=run_args.reuse_output_dir)
@@ -278,6 +290,7 @@ class RecipeRun:
             started,
             argv=tuple(argv),
             precision_note=launcher.note,
+            notices=notices,
         )
 
     def given(self, *names: str) -> set[str]:
@@ -298,11 +311,16 @@ class RecipeRun:
         )
         transformers.utils.logging.set_verbosity(args.get_process_log_level())
         transformers.set_seed(args.seed)
-        logging.getLogger(self.name).info(
+        self._output.enter_context(recipe_output(disable_tqdm=bool(args.disable_tqdm)))
+        no_pin_memory_on_cpu(args)
+        log = logging.getLogger(self.name)
+        log.info(
             "precision=%s device=%s world_size=%d", args.precision, args.device, args.world_size
         )
         if self.precision_note:
-            logging.getLogger(self.name).warning(self.precision_note)
+            log.warning(self.precision_note)
+        for notice in self.notices if args.should_log else ():  # the same on every rank
+            log.warning(notice)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -368,6 +386,7 @@ class RecipeRun:
             # threads were alive was seen to abort ("terminate called without an active
             # exception").
             trainer.accelerator.end_training()
+            self._output.close()
             return
         model_args, args = self.model_args, self.training_args
         output_dir = Path(args.output_dir)
@@ -462,3 +481,4 @@ class RecipeRun:
             print(line)
         print(format_table(rows, title=f"{self.name}: {model_args.model_name_or_path}"))
         trainer.accelerator.end_training()
+        self._output.close()

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +28,15 @@ if TYPE_CHECKING:  # pragma: no cover - imported lazily: `transformers` is heavy
 __all__ = ["train_byte_level_bpe_tokenizer", "train_wordpiece_tokenizer"]
 
 logger = logging.getLogger(__name__)
+
+
+def _show_progress() -> bool:
+    """Whether the tokenizers trainer draws its bars: on a terminal, unless progress bars are
+    off (a recipe's ``--disable_tqdm true``). Into a file or pipe it writes no bar, only three
+    empty lines on stdout, in the middle of the run's output."""
+    from amp_trainer.recipe_support.output import progress_bars_enabled
+
+    return sys.stdout.isatty() and progress_bars_enabled()
 
 
 def cache_dir() -> Path:
@@ -117,7 +127,9 @@ def train_wordpiece_tokenizer(
         tok.normalizer = normalizers.BertNormalizer(lowercase=True)
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece()
-        trainer = WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials)
+        trainer = WordPieceTrainer(
+            vocab_size=vocab_size, special_tokens=specials, show_progress=_show_progress()
+        )
         tok.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
         cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         tok.post_processor = processors.TemplateProcessing(
@@ -169,6 +181,7 @@ def train_byte_level_bpe_tokenizer(
             vocab_size=vocab_size,
             special_tokens=[eos],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=_show_progress(),
         )
         tok.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
         return tok
