@@ -21,7 +21,7 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ __all__ = [
     "RunPreempted",
     "interrupted",
     "last_complete_checkpoint",
+    "launcher_prefix",
     "preempted",
     "resolve_checkpoint",
     "resume_command",
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 _TRUE, _FALSE = ("true", "yes", "1"), ("", "false", "no", "0", "none")
 _STATE_FILE = "trainer_state.json"  # stock Trainer's TRAINER_STATE_NAME
+# transformers' JIT (SIGTERM) save writes this into checkpoint-N before saving and removes it after
+# (trainer_jit_checkpoint.py, 5.0.0 to 5.24); its get_last_checkpoint does not look at it.
+_INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
 _STEP = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
 
@@ -103,12 +107,13 @@ def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
                 f"--resume_from_checkpoint {said} is a file; pass a run folder or a "
                 "checkpoint-N folder"
             )
-        if (folder / _STATE_FILE).is_file():
+        missing = _why_incomplete(folder)
+        if missing is None:
             return str(folder)
-        if _STEP.fullmatch(folder.name):
+        if _STEP.fullmatch(folder.name) or (folder / _INCOMPLETE_MARKER).is_file():
             earlier = last_complete_checkpoint(folder.parent)
             raise UsageError(
-                f"--resume_from_checkpoint {said} is an incomplete checkpoint (no {_STATE_FILE}: "
+                f"--resume_from_checkpoint {said} is an incomplete checkpoint ({missing}: "
                 "interrupted while saving?); "
                 + (f"the last complete one is {earlier}" if earlier else "pass another one")
             )
@@ -122,17 +127,32 @@ def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
     if last is None:
         raise UsageError(
             f"--resume_from_checkpoint {said}: no checkpoint in {str(folder)!r} is complete "
-            f"(none has {_STATE_FILE}); start a new run"
+            f"(each lacks {_STATE_FILE} or holds {_INCOMPLETE_MARKER}); start a new run"
         )
     return last
 
 
+def _why_incomplete(path: Path) -> str | None:
+    """Why the folder ``path`` is not a complete checkpoint, ``None`` when it is one.
+
+    Complete: it holds ``trainer_state.json`` and not transformers' ``checkpoint-is-incomplete.txt``
+    (written before a SIGTERM save's files and removed after them, so a folder holding both was
+    stopped in the middle of that save)."""
+    if (path / _INCOMPLETE_MARKER).is_file():
+        return f"it holds {_INCOMPLETE_MARKER}"
+    if not (path / _STATE_FILE).is_file():
+        return f"no {_STATE_FILE}"
+    return None
+
+
 def last_complete_checkpoint(folder: str | os.PathLike[str]) -> str | None:
-    """The highest ``checkpoint-N`` in ``folder`` that holds ``trainer_state.json``.
+    """The highest complete ``checkpoint-N`` in ``folder``: it holds ``trainer_state.json`` and
+    no ``checkpoint-is-incomplete.txt``.
 
     transformers' ``get_last_checkpoint`` takes the highest number whatever it holds, so a run
     stopped while saving (Ctrl-C, preemption) would be resumed from a half-written folder and fail
-    on ``trainer_state.json``; a skipped one is named in a warning.
+    on ``trainer_state.json`` (or load half-written weights); a skipped one is named in a warning
+    with the one taken instead.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -141,14 +161,24 @@ def last_complete_checkpoint(folder: str | os.PathLike[str]) -> str | None:
         ((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.fullmatch(p.name))),
         reverse=True,
     )
+    skipped: list[tuple[Path, str]] = []
+    found: str | None = None
     for _, path in steps:
-        if path.is_dir() and (path / _STATE_FILE).is_file():
-            return str(path)
-        if path.is_dir():
-            logger.warning(
-                "%s is incomplete (no %s; interrupted while saving?): skipped", path, _STATE_FILE
-            )
-    return None
+        if not path.is_dir():
+            continue
+        missing = _why_incomplete(path)
+        if missing is None:
+            found = str(path)
+            break
+        skipped.append((path, missing))
+    for path, missing in skipped:
+        logger.warning(
+            "%s is incomplete (%s; interrupted while saving?): skipped; %s",
+            path,
+            missing,
+            f"the last complete one is {found}" if found else "no complete one is left",
+        )
+    return found
 
 
 def _next_free(folder: Path) -> Path:
@@ -253,12 +283,52 @@ def resume_command(argv: Sequence[str], output_dir: str, checkpoint: str | None 
             skip = "=" not in arg
             continue
         kept.append(arg)
-    launched = "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
-    prefix = ["accelerate", "launch"] if launched else ["python"]
+    prefix, _ = launcher_prefix()
     last = checkpoint or last_complete_checkpoint(output_dir)
     return shlex.join(
         [*prefix, sys.argv[0], *kept, "--output_dir", output_dir, "--resume_from_checkpoint", last]
     )
+
+
+# What each launcher exports to the script it starts. accelerate launch (1.10 to 1.15) exports
+# ACCELERATE_MIXED_PRECISION from its simple, multi-GPU and DeepSpeed launchers alike and
+# ACCELERATE_DYNAMO_BACKEND from the first two; its multi-process launchers run torchrun's
+# elastic agent underneath, so accelerate's variables are looked at first.
+_ACCELERATE_ENV = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
+_TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+
+
+def launcher_prefix(environ: Mapping[str, str] | None = None) -> tuple[list[str], str | None]:
+    """The launcher that started this process, as the start of the command that resumes it,
+    and what that start cannot repeat (``None``: nothing).
+
+    Only what the launcher exports is known, not its flags: ``accelerate launch`` with a config
+    file or ``--num_processes`` looks the same to the script, and torchrun's rendezvous flags
+    are not exported. So the process counts that are known are given, and the line says which
+    flags to add, rather than print ``python`` for a run that needs its launcher.
+    """
+    env = os.environ if environ is None else environ
+    world = env.get("WORLD_SIZE", "")
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    if any(name in env for name in _ACCELERATE_ENV):
+        prefix = ["accelerate", "launch"]
+        if world.isdigit() and int(world) > 1:
+            prefix += ["--num_processes", world]
+        return prefix, "add your accelerate launch flags"
+    if any(name in env for name in _TORCHRUN_ENV):
+        prefix = ["torchrun", "--nproc_per_node", local or "1"]
+        if world.isdigit() and local.isdigit() and int(world) > int(local) > 0:
+            prefix += ["--nnodes", str(int(world) // int(local))]
+            return prefix, "add your torchrun rendezvous flags"
+        return prefix, None
+    return ["python"], None
+
+
+def _resume_with(argv: Sequence[str], output_dir: str, checkpoint: str | None = None) -> str:
+    """ "Resume with: COMMAND", with what to add to it when the launcher's flags are unknown."""
+    _, note = launcher_prefix()
+    said = f"Resume with ({note}): " if note else "Resume with: "
+    return said + resume_command(argv, output_dir, checkpoint)
 
 
 def interrupted(argv: Sequence[str], output_dir: str) -> ResumeInterrupted:
@@ -266,8 +336,8 @@ def interrupted(argv: Sequence[str], output_dir: str) -> ResumeInterrupted:
     last = last_complete_checkpoint(output_dir)
     if last is not None:
         return ResumeInterrupted(
-            f"interrupted; {Path(last).name} is the last checkpoint. Resume with: "
-            f"{resume_command(argv, output_dir)}"
+            f"interrupted; {Path(last).name} is the last checkpoint. "
+            f"{_resume_with(argv, output_dir)}"
         )
     return ResumeInterrupted(
         f"interrupted before the first checkpoint in {output_dir} (save_steps): nothing to resume"
@@ -279,6 +349,5 @@ def preempted(argv: Sequence[str], output_dir: str, checkpoint: str) -> RunPreem
     step, scale = _step_and_scale(Path(checkpoint))
     return RunPreempted(
         f"stopped by SIGTERM (--enable_jit_checkpoint); {Path(checkpoint).name} saved at step "
-        f"{step} (loss scale {scale}). Resume with: "
-        f"{resume_command(argv, output_dir, checkpoint)}"
+        f"{step} (loss scale {scale}). {_resume_with(argv, output_dir, checkpoint)}"
     )
