@@ -32,7 +32,7 @@ def checkpoints(run, marked_step=None, steps=(1, 2)):
     for step in steps:
         folder = run / f"checkpoint-{step}"
         folder.mkdir(parents=True)
-        (folder / "trainer_state.json").write_text('{"global_step": %d}' % step)
+        (folder / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
         if step == marked_step:
             (folder / MARKER).write_text(f"Checkpoint started at step {step} and in progress...")
     return run
@@ -65,7 +65,7 @@ def test_a_marked_checkpoint_named_directly_is_refused_with_the_last_complete_on
 def test_a_run_whose_only_checkpoint_is_marked_has_nothing_to_resume(tmp_path):
     run = checkpoints(tmp_path / "run", marked_step=1, steps=(1,))
     assert last_complete_checkpoint(run) is None
-    with pytest.raises(UsageError, match="no checkpoint in .* is complete"):
+    with pytest.raises(UsageError, match=r"no checkpoint in .* is complete"):
         resolve_checkpoint("true", str(run))
     assert "nothing to resume" in str(interrupted([], str(run)))
 
@@ -73,9 +73,7 @@ def test_a_run_whose_only_checkpoint_is_marked_has_nothing_to_resume(tmp_path):
 def test_a_complete_checkpoint_without_the_marker_is_still_taken(tmp_path):
     run = checkpoints(tmp_path / "run")
     assert last_complete_checkpoint(run) == str(run / "checkpoint-2")
-    assert resolve_checkpoint(str(run / "checkpoint-2"), str(tmp_path)) == str(
-        run / "checkpoint-2"
-    )
+    assert resolve_checkpoint(str(run / "checkpoint-2"), str(tmp_path)) == str(run / "checkpoint-2")
 
 
 # -- the launcher in the resume command ----------------------------------------------------------
@@ -116,8 +114,10 @@ def test_a_plain_python_run_resumes_with_python(launched):
     assert line.endswith(
         "Resume with: "
         + shlex.join(
-            ["python", "recipes/finetune_bert.py", "--max_steps", "9", "--output_dir", str(run)]
-            + ["--resume_from_checkpoint", str(run / "checkpoint-3")]
+            [
+                *("python", "recipes/finetune_bert.py", "--max_steps", "9"),
+                *("--output_dir", str(run), "--resume_from_checkpoint", str(run / "checkpoint-3")),
+            ]
         )
     )
 
