@@ -54,7 +54,10 @@ def run_two_gloo_ranks(worker: Path, out_dir: Path, *, timeout: float = 300) -> 
     """Run ``worker out_dir`` as two gloo ranks under torchrun (``--standalone`` picks a free
     port), as a user's ``torchrun --nproc_per_node 2`` would; fail with both ranks' output.
 
-    The worker writes what the tests check into ``out_dir`` (``rank<N>.json`` and tensors)."""
+    The worker writes what the tests check into ``out_dir`` (``rank<N>.json`` and tensors).
+    torchrun runs in a process group of its own, ended whole (:func:`end_process_group`) when it
+    runs past ``timeout`` or fails: killing torchrun alone left its workers running, burning CPU
+    for the rest of the suite."""
     command = [
         sys.executable,
         "-m",
@@ -65,15 +68,53 @@ def run_two_gloo_ranks(worker: Path, out_dir: Path, *, timeout: float = 300) -> 
         str(worker),
         str(out_dir),
     ]
-    result = subprocess.run(
+    proc = subprocess.Popen(
         command,
         env=subprocess_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=REPO_ROOT,
+        start_new_session=True,  # its own process group: torchrun and its workers
     )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_process_group(proc)
+        stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"torchrun {worker.name} did not finish in {timeout:g} s; its process group (torchrun "
+            f"and both ranks) was ended\n{stdout[-2000:]}{stderr[-4000:]}",
+            pytrace=False,
+        )
+    finally:
+        end_process_group(proc)  # a rank left behind by a failed or finished run, if any
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+
+
+def end_process_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """End every process in ``proc``'s process group (``proc`` started with
+    ``start_new_session=True``): SIGTERM, up to ``grace`` seconds to exit, then SIGKILL.
+
+    No-op when the group is gone. ``proc`` itself is reaped, so that it does not linger as a
+    zombie member of the group."""
+    import signal
+    import time
+
+    pgid = proc.pid  # a session leader's group id is its pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 10.0)
+        while time.monotonic() < deadline:
+            proc.poll()  # reap torchrun once it exits
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
 
 def leave_without_teardown() -> None:
