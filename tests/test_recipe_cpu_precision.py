@@ -65,3 +65,30 @@ def test_recipe_runs_under_accelerate_launch_cpu_without_extra_flags(precision, 
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_recipe_shows_what_auto_picked_once_after_its_logging_is_set_up(tmp_path):
+    # The arguments say what "auto" picked while they are parsed, before the recipe sets up its
+    # logging: the line used to go nowhere.
+    args = [sys.executable, BERT, "--precision", "auto", *ONE_STEP]
+    result = subprocess.run(
+        [*args, "--output_dir", str(tmp_path / "run")],
+        cwd=REPO_ROOT,
+        env=subprocess_env(AMP_TRAINER_CACHE=str(tmp_path / "cache")),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    picked = [i for i, line in enumerate(lines) if "precision='auto' picked" in line]
+    on_cpu = [i for i in picked if " on cpu: " in lines[i]]
+    assert len(on_cpu) == 1, result.stderr[-3000:]
+    assert " INFO amp_trainer.precision: precision='auto' picked " in lines[on_cpu[0]]
+    said = [lines[i].split(" ", 1)[1] for i in picked]  # without the time
+    assert len(said) == len(set(said)), said  # no line twice
+    # In the run's log, before the recipe's own precision line.
+    assert max(picked) < next(
+        i for i, line in enumerate(lines) if "finetune_bert: precision=" in line
+    )

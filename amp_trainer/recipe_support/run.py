@@ -51,6 +51,7 @@ from amp_trainer.recipe_support.data import (
     tokenize_and_chunk,
     tokenize_classification,
 )
+from amp_trainer.recipe_support.held_logs import holding_library_logs, release
 from amp_trainer.recipe_support.launcher import LauncherPrecision
 from amp_trainer.recipe_support.models import (
     CAUSAL_LM,
@@ -235,6 +236,9 @@ class RecipeRun:
     precision_note: str | None = None  # the launcher's precision and the recipe's disagreed
     # Said while parsing, logged by start() once logging is set up (the CPU FP16 notice).
     notices: list[str] = field(default_factory=list)
+    # What the library logged while the flags were parsed, before logging was set up: start()
+    # logs it (recipe_support/held_logs.py).
+    held_logs: list[logging.LogRecord] = field(default_factory=list, repr=False)
     _phase_start: float = field(init=False)
     # The run's output policy (recipe_support/output.py): entered by start(), left by finish().
     _output: contextlib.ExitStack = field(init=False, default_factory=contextlib.ExitStack)
@@ -243,6 +247,7 @@ class RecipeRun:
         self._phase_start = self.started
 
     @classmethod
+    @holding_library_logs
     def parse(
         cls,
         name: str,
@@ -310,6 +315,7 @@ class RecipeRun:
             level=logging.INFO if args.should_log else logging.WARNING,
         )
         transformers.utils.logging.set_verbosity(args.get_process_log_level())
+        release(self.held_logs)
         transformers.set_seed(args.seed)
         self._output.enter_context(recipe_output(disable_tqdm=bool(args.disable_tqdm)))
         no_pin_memory_on_cpu(args)
