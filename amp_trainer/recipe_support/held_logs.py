@@ -25,7 +25,7 @@ _T = TypeVar("_T")
 
 class _Held(logging.Handler):
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.NOTSET)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -44,8 +44,9 @@ def release(records: list[logging.LogRecord]) -> None:
 
 def holding_library_logs(parse: Callable[..., _T]) -> Callable[..., _T]:
     """Decorate ``parse`` (returning an object with a ``held_logs`` list): the ``amp_trainer``
-    records of INFO and above logged while it runs go into that list instead of out, for
-    :func:`release` once logging is set up; if it raises, they are released at once."""
+    records of INFO and above (DEBUG too where it was on) logged while it runs go into that
+    list instead of out, for :func:`release` once logging is set up; if it raises, they are
+    released at once."""
 
     @functools.wraps(parse)
     def wrapper(*args: Any, **kwargs: Any) -> _T:
@@ -53,7 +54,7 @@ def holding_library_logs(parse: Callable[..., _T]) -> Callable[..., _T]:
         held = _Held()
         saved = library.level, library.propagate
         library.addHandler(held)
-        library.setLevel(logging.INFO)
+        library.setLevel(min(logging.INFO, library.getEffectiveLevel()))  # DEBUG if it was
         library.propagate = False
         try:
             try:
