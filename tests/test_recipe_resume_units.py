@@ -171,8 +171,21 @@ def test_a_plain_python_run_resumes_with_python(launched):
             ["torchrun", "--nproc_per_node", "8", "--nnodes", "2"],
             "add your torchrun rendezvous flags",
         ),
+        # LOCAL_RANK without torchrun's variables: some other launcher (DeepSpeed's)
+        (
+            {"LOCAL_RANK": "0", "WORLD_SIZE": "2"},
+            ["torchrun", "--nproc_per_node", "2"],
+            "or the launcher you started it with, and its flags",
+        ),
     ],
-    ids=["accelerate-1", "accelerate-2", "accelerate-deepspeed", "torchrun-1-node", "torchrun-2"],
+    ids=[
+        "accelerate-1",
+        "accelerate-2",
+        "accelerate-deepspeed",
+        "torchrun-1-node",
+        "torchrun-2",
+        "other-launcher",
+    ],
 )
 def test_a_launched_run_resumes_with_its_launcher(launched, env, prefix, note):
     run = launched(**env)

@@ -293,9 +293,9 @@ def resume_command(argv: Sequence[str], output_dir: str, checkpoint: str | None 
 # What each launcher exports to the script it starts. accelerate launch (1.10 to 1.15) exports
 # ACCELERATE_MIXED_PRECISION from its simple, multi-GPU and DeepSpeed launchers alike and
 # ACCELERATE_DYNAMO_BACKEND from the first two; its multi-process launchers run torchrun's
-# elastic agent underneath, so accelerate's variables are looked at first.
+# elastic agent underneath, so accelerate's variables are looked at first. torchrun's agent exports
+# TORCHELASTIC_RUN_ID, LOCAL_WORLD_SIZE and WORLD_SIZE; LOCAL_RANK alone is some other launcher.
 _ACCELERATE_ENV = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
-_TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 
 
 def launcher_prefix(environ: Mapping[str, str] | None = None) -> tuple[list[str], str | None]:
@@ -315,12 +315,15 @@ def launcher_prefix(environ: Mapping[str, str] | None = None) -> tuple[list[str]
         if world.isdigit() and int(world) > 1:
             prefix += ["--num_processes", world]
         return prefix, "add your accelerate launch flags"
-    if any(name in env for name in _TORCHRUN_ENV):
+    if "TORCHELASTIC_RUN_ID" in env:
         prefix = ["torchrun", "--nproc_per_node", local or "1"]
         if world.isdigit() and local.isdigit() and int(world) > int(local) > 0:
             prefix += ["--nnodes", str(int(world) // int(local))]
             return prefix, "add your torchrun rendezvous flags"
         return prefix, None
+    if "LOCAL_RANK" in env:  # another launcher (DeepSpeed's, mpirun wrappers): not torchrun's
+        prefix = ["torchrun", "--nproc_per_node", local or world or "1"]
+        return prefix, "or the launcher you started it with, and its flags"
     return ["python"], None
 
 
