@@ -491,7 +491,13 @@ def _doctor_batch(
     )
 
     if sample_inputs is not None:
-        batch = _check_sample_inputs(model, sample_inputs, args.sample_inputs)
+        import torch
+
+        from amp_trainer.export.sample_inputs import as_model_dtype
+
+        checked = _check_sample_inputs(model, sample_inputs, args.sample_inputs)
+        # FP16 features saved from an FP16 pipeline: the FP32 stages need FP32, as in export.
+        batch = as_model_dtype(checked, torch.float32)
         return _add_labels(model, batch, None, f"--sample-inputs {args.sample_inputs}")
     where = f"--model {args.model}"
     main = main_input_name(model)

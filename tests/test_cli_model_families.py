@@ -201,6 +201,17 @@ def test_doctor_adds_labels_to_a_sample_inputs_file_without_them(saved, tmp_path
     assert "verdict: healthy" in capsys.readouterr().out
 
 
+def test_doctor_takes_fp16_sample_inputs_as_fp32(saved, tmp_path, capsys):
+    """Features saved from an FP16 pipeline: Whisper's FP32 convolutions refuse FP16 input."""
+    inputs = tmp_path / "half.pt"
+    features = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0)) * 0.5
+    decoder = torch.tensor([[1, 5, 9, 3], [1, 7, 2, 4]])
+    torch.save({"input_features": features.half(), "decoder_input_ids": decoder}, inputs)
+    argv = ["doctor", "--model", str(saved["whisper"]), "--steps", "2"]
+    assert main([*argv, "--sample-inputs", str(inputs)]) == 0
+    assert "verdict: healthy" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["export", "doctor"])
 def test_a_missing_sample_inputs_file_is_a_one_line_usage_error(command, saved, tmp_path, capsys):
     missing = tmp_path / "nope.safetensors"
