@@ -11,6 +11,7 @@ are mapped by :func:`amp_trainer.recipe_support.config.run_entry_point`, the rec
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import re
@@ -53,6 +54,17 @@ exit codes: 0 success / healthy, 1 parity failed / not healthy / runtime failure
 2 usage error. --debug prints the traceback of an error.
 run 'amp-trainer <command> --help' for a command's options.
 """
+
+
+_SAMPLE_INPUTS_HELP = (
+    "the model's inputs for one forward call, by forward keyword name: a .safetensors file "
+    "of named tensors, or a .pt/.pth file of a {name: tensor} dict (read with weights_only=True)"
+)
+# What the CLI says instead of the library's "pass sample_inputs=...".
+_PASS_SAMPLE_INPUTS_FILE = (
+    "pass --sample-inputs FILE, a .safetensors (or .pt) file of the forward's inputs by name"
+)
+_SAMPLE_INPUTS_SUFFIXES = (".safetensors", ".pt", ".pth")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"model folder, hub id or {OFFLINE_MINILM!r} (FP32)",
     )
     export.add_argument("--output", required=True, help="folder to create")
-    export.add_argument("--texts", nargs="+", metavar="TEXT", help="parity sample texts")
+    export_inputs = export.add_mutually_exclusive_group()
+    export_inputs.add_argument("--texts", nargs="+", metavar="TEXT", help="parity sample texts")
+    export_inputs.add_argument(
+        "--sample-inputs", metavar="FILE", help=_SAMPLE_INPUTS_HELP + " (the parity batch)"
+    )
     export.add_argument(
         "--format",
         nargs="+",
@@ -187,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="one text per line (.txt) or JSON lines with 'text' and optional 'label' (.jsonl)",
     )
+    source.add_argument(
+        "--sample-inputs",
+        metavar="FILE",
+        help=_SAMPLE_INPUTS_HELP + " (the batch; labels made as without it unless it has them)",
+    )
     doctor.add_argument(
         "--lr",
         type=_number(0.0, float("inf"), low_open=True),
@@ -235,6 +256,120 @@ def _check_model_arg(name: str) -> str:
     return name
 
 
+def _load_sample_inputs(path: str) -> dict[str, Any]:
+    """The tensors of ``--sample-inputs FILE``: a ``.safetensors`` file (the field's format for
+    named tensors, no code run on load) or a ``.pt``/``.pth`` dict read with
+    ``weights_only=True`` (plain tensors only: a pickle cannot run code). Names are checked
+    against the model's forward once it is loaded (:func:`_check_sample_inputs`)."""
+    import torch
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--sample-inputs {path}: no such file")
+    suffix = file.suffix.lower()
+    if suffix not in _SAMPLE_INPUTS_SUFFIXES:
+        raise UsageError(
+            f"--sample-inputs {path}: unknown format {suffix or '(no suffix)'!r}; valid: "
+            f"{', '.join(_SAMPLE_INPUTS_SUFFIXES)}"
+        )
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            tensors: Any = load_file(file)
+        except Exception as err:  # SafetensorError (garbled header) is no ValueError/OSError
+            raise UsageError(
+                f"--sample-inputs {path}: not a readable safetensors file ({_first_line(err)})"
+            ) from None
+    else:
+        try:
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as err:  # UnpicklingError, RuntimeError (not a zip), EOFError
+            raise UsageError(
+                f"--sample-inputs {path}: not a torch.save file of plain tensors, which "
+                f"weights_only=True can read ({_first_line(err)})"
+            ) from None
+        if not isinstance(tensors, dict) or not tensors:
+            raise UsageError(
+                f"--sample-inputs {path}: holds a {type(tensors).__name__}, not a non-empty "
+                "{name: tensor} dict"
+            )
+        bad = [name for name, value in tensors.items() if not isinstance(value, torch.Tensor)]
+        if bad:
+            raise UsageError(
+                f"--sample-inputs {path}: {bad[0]!r} is a {type(tensors[bad[0]]).__name__}, "
+                "not a tensor"
+            )
+    if not tensors:
+        raise UsageError(f"--sample-inputs {path}: the file holds no tensors")
+    return dict(tensors)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _check_sample_inputs(model: Any, inputs: dict[str, Any], path: str) -> dict[str, Any]:
+    """``inputs`` checked against ``model``'s forward (names it accepts), or one line naming
+    the bad name, the file and what is valid."""
+    from amp_trainer.export.sample_inputs import SampleInputsError, check_sample_inputs
+
+    try:
+        checked = check_sample_inputs(model, inputs)
+    except SampleInputsError as err:
+        raise _sample_inputs_usage(err, f"--sample-inputs {path}") from None
+    _check_forward_names(model.forward, type(model).__name__, checked, path)
+    return checked
+
+
+def _check_forward_names(forward: Any, owner: str, inputs: dict[str, Any], path: str) -> None:
+    """Refuse a name ``forward`` has no parameter for. Stricter than the library's check:
+    transformers 5 forwards take ``**kwargs`` and drop names they do not know, so a misnamed
+    tensor in a file would silently be no input at all."""
+    parameters = inspect.signature(forward).parameters
+    named = sorted(
+        n
+        for n, p in parameters.items()
+        if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    )
+    unknown = [name for name in inputs if name not in named]
+    if unknown:
+        raise UsageError(
+            f"--sample-inputs {path}: {unknown[0]!r} is not an argument of {owner}.forward; "
+            f"valid: {named}"
+        )
+
+
+def _check_export_sample_inputs(model: str, inputs: dict[str, Any], path: str) -> None:
+    """:func:`_check_forward_names` for a saved model, before export loads its weights: the
+    forward of the class its config.json names (a hub id or an unknown class: export's own
+    check is all there is)."""
+    import transformers
+
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        return
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return  # export's loading names the broken file
+    for name in config.get("architectures") or []:
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type) and hasattr(cls, "forward"):
+            _check_forward_names(cls.forward, cls.__name__, inputs, path)
+            return
+
+
+def _sample_inputs_usage(err: Exception, where: str) -> UsageError:
+    """The library's refusal to make (or use) inputs, worded for the command line: ``where``
+    is the option at fault (``--model DIR``, ``--sample-inputs FILE``)."""
+    from amp_trainer.export.sample_inputs import PASS_SAMPLE_INPUTS
+
+    message = str(err).replace(PASS_SAMPLE_INPUTS, _PASS_SAMPLE_INPUTS_FILE)
+    return UsageError(f"{where}: {message}")
+
+
 def _write_json_atomic(path: str, data: Any) -> None:
     target = Path(path)
     if not target.parent.is_dir():
@@ -268,7 +403,7 @@ def _load_texts(path: str, limit: int) -> tuple[list[str], list[Any] | None]:
 # export
 # --------------------------------------------------------------------------------------------
 def _run_export(args: argparse.Namespace) -> int:
-    from amp_trainer.export import export_fp16
+    from amp_trainer.export import SampleInputsError
 
     model = _check_model_arg(args.model)
     output = Path(args.output)
@@ -286,19 +421,15 @@ def _run_export(args: argparse.Namespace) -> int:
         and (not output.is_dir() or any(output.iterdir()))
     ):
         raise UsageError(f"--output {args.output} exists and is not empty (use --overwrite)")
-    report = export_fp16(
-        model,
-        output,
-        sample_texts=args.texts,
-        keep_norms_fp32=not args.no_keep_norms_fp32,
-        overflow_guard=not args.no_overflow_guard,
-        max_abs_error=args.max_abs_error,
-        max_rel_error=args.max_rel_error,
-        min_top1_agreement=args.min_top1_agreement,
-        formats=tuple(args.formats),
-        force=args.force,
-        overwrite=args.overwrite,
-    )
+    sample_inputs = None
+    if args.sample_inputs:
+        sample_inputs = _load_sample_inputs(args.sample_inputs)
+        _check_export_sample_inputs(model, sample_inputs, args.sample_inputs)
+    try:
+        report = _export(args, model, output, sample_inputs)
+    except SampleInputsError as err:
+        where = f"--sample-inputs {args.sample_inputs}" if args.sample_inputs else None
+        raise _sample_inputs_usage(err, where or f"--model {args.model}") from None
     print(report.to_markdown())
     if args.report:
         _write_json_atomic(args.report, report.to_dict())
@@ -309,37 +440,143 @@ def _run_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _export(args: argparse.Namespace, model: str, output: Path, sample_inputs: Any) -> Any:
+    """:func:`~amp_trainer.export.export_fp16` with the command line's settings."""
+    from amp_trainer.export import export_fp16
+
+    return export_fp16(
+        model,
+        output,
+        sample_texts=args.texts,
+        sample_inputs=sample_inputs,
+        keep_norms_fp32=not args.no_keep_norms_fp32,
+        overflow_guard=not args.no_overflow_guard,
+        max_abs_error=args.max_abs_error,
+        max_rel_error=args.max_rel_error,
+        min_top1_agreement=args.min_top1_agreement,
+        formats=tuple(args.formats),
+        force=args.force,
+        overwrite=args.overwrite,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # doctor
 # --------------------------------------------------------------------------------------------
-def _doctor_batch(model: Any, tokenizer: Any, texts: Sequence[str] | None, labels: Any) -> dict:
-    """Inputs plus labels so the model returns a loss: class ids for a classifier (given, or
-    cycling through the classes), float targets for a regressor, the inputs themselves
-    (padding ignored) for language models."""
+_CLASSIFIER_SUFFIXES = (
+    "ForSequenceClassification",
+    "ForImageClassification",
+    "ForAudioClassification",
+)
+_CTC_TARGET_LENGTH = 4  # CTC targets must fit the shortest output: 16 frames here
+
+
+def _doctor_batch(
+    model: Any,
+    args: argparse.Namespace,
+    path: str,
+    texts: Sequence[str] | None,
+    labels: Any,
+    sample_inputs: dict | None,
+) -> dict:
+    """The model's inputs, made as :mod:`amp_trainer.export.sample_inputs` makes export's
+    (token ids, pixels, speech features, raw audio; decoder inputs for an encoder-decoder) or
+    read from ``--sample-inputs``, plus labels so the model returns a loss
+    (:func:`_add_labels`)."""
+    from amp_trainer.export.loading import load_processor, load_tokenizer
+    from amp_trainer.export.sample_inputs import (
+        SampleInputsError,
+        main_input_name,
+        make_sample_batch,
+    )
+
+    if sample_inputs is not None:
+        import torch
+
+        from amp_trainer.export.sample_inputs import as_model_dtype
+
+        checked = _check_sample_inputs(model, sample_inputs, args.sample_inputs)
+        # FP16 features saved from an FP16 pipeline: the FP32 stages need FP32, as in export.
+        batch = as_model_dtype(checked, torch.float32)
+        return _add_labels(model, batch, None, f"--sample-inputs {args.sample_inputs}")
+    where = f"--model {args.model}"
+    main = main_input_name(model)
+    tokenizer = processor = None
+    if main == "input_ids":
+        tokenizer = load_tokenizer(path)
+        if texts and tokenizer is None:
+            raise UsageError(f"{where}: no tokenizer saved there to encode the texts")
+    else:
+        processor = load_processor(path)
+    try:
+        batch = make_sample_batch(model, tokenizer, texts, processor=processor)
+    except SampleInputsError as err:
+        raise _sample_inputs_usage(err, where) from None
+    batch_size = args.batch_size or _DEFAULT_BATCH_SIZE
+    batch = {name: tensor[:batch_size] for name, tensor in batch.items()}
+    return _add_labels(model, batch, labels, where)
+
+
+def _add_labels(model: Any, batch: dict, labels: Any, where: str) -> dict:
+    """``batch`` plus ``labels`` (unless it has them) so the model returns a loss: class ids
+    for a classifier (given, or cycling through the classes), float targets for a regressor,
+    short random targets for CTC, the decoder's next tokens for an encoder-decoder, the inputs
+    themselves (padding ignored) for language models.
+
+    Why the doctor needs them: it diagnoses training steps, and transformers models compute
+    their loss from ``labels``; a model that takes none (no task head) is refused here.
+    """
     import torch
 
-    from amp_trainer.export import make_sample_batch
-
-    batch = make_sample_batch(model, tokenizer, texts)
-    rows = batch["input_ids"].shape[0]
+    if "labels" in batch:
+        return batch
+    name = type(model).__name__
+    if "labels" not in inspect.signature(model.forward).parameters:
+        raise UsageError(
+            f"{where}: {name} takes no labels, so it has no loss to diagnose; save the model "
+            "with its task head (e.g. ...ForSequenceClassification, ...ForCausalLM)"
+        )
+    rows = next(iter(batch.values())).shape[0]
     config = model.config
-    if type(model).__name__.endswith("ForSequenceClassification"):
+    if name.endswith(_CLASSIFIER_SUFFIXES):
         if config.num_labels == 1:
             batch["labels"] = torch.tensor(
                 [float(v) for v in labels] if labels else [0.0] * rows, dtype=torch.float32
             )
-        else:
-            values = (
-                [int(v) for v in labels] if labels else [i % config.num_labels for i in range(rows)]
+            return batch
+        values = (
+            [int(v) for v in labels] if labels else [i % config.num_labels for i in range(rows)]
+        )
+        bad = [v for v in values if not 0 <= v < config.num_labels]
+        if bad:
+            raise UsageError(
+                f"label {bad[0]} is outside [0, {config.num_labels - 1}] for this model"
             )
-            bad = [v for v in values if not 0 <= v < config.num_labels]
-            if bad:
-                raise UsageError(
-                    f"label {bad[0]} is outside [0, {config.num_labels - 1}] for this model"
-                )
-            batch["labels"] = torch.tensor(values, dtype=torch.long)
+        batch["labels"] = torch.tensor(values, dtype=torch.long)
+    elif name.endswith("ForCTC"):
+        # Targets skip the blank (the pad id) and fit in the shortest output sequence.
+        blank = getattr(config, "pad_token_id", None) or 0
+        ids = torch.randint(0, config.vocab_size - 1, (rows, _CTC_TARGET_LENGTH))
+        batch["labels"] = ids + (ids >= blank).long()
+    elif "decoder_input_ids" in batch:
+        decoder = batch["decoder_input_ids"]
+        source = batch.get("input_ids")
+        if source is not None and source.shape == decoder.shape:
+            # Text: the decoder was fed the inputs shifted right, so its targets are the inputs.
+            batch["labels"] = source.masked_fill(batch["attention_mask"] == 0, -100)
+        else:  # the next decoder token; nothing follows the last one
+            targets = torch.full_like(decoder, -100)
+            targets[:, :-1] = decoder[:, 1:]
+            batch["labels"] = targets
+    elif "input_ids" in batch:
+        mask = batch.get("attention_mask")
+        ids = batch["input_ids"]
+        batch["labels"] = ids if mask is None else ids.masked_fill(mask == 0, -100)
     else:
-        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        raise UsageError(
+            f"{where}: cannot make labels for {name} (no class, CTC, decoder or token-id "
+            "head); put a 'labels' tensor in --sample-inputs FILE"
+        )
     return batch
 
 
@@ -349,8 +586,8 @@ def _recipe_batch(args: argparse.Namespace) -> tuple[Any, dict, float]:
     :func:`amp_trainer.recipe_support.models.load_recipe_batch`."""
     from amp_trainer.recipe_support.models import load_recipe_batch
 
-    if args.texts or args.data:
-        option = "--texts" if args.texts else "--data"
+    if args.texts or args.data or args.sample_inputs:
+        option = "--texts" if args.texts else "--data" if args.data else "--sample-inputs"
         what = f"--config {args.config}" if args.config else f"--model {args.model}"
         raise UsageError(f"{option} cannot be combined with {what}: the recipe's data is used")
     if not args.verbose:
@@ -384,7 +621,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     if args.config or args.model in _RECIPE_MODEL_NAMES:
         model, batch, lr = _recipe_batch(args)
     else:
-        from amp_trainer.export import load_model, load_tokenizer
+        from amp_trainer.export import load_model
 
         path = _check_model_arg(args.model)
         batch_size = args.batch_size or _DEFAULT_BATCH_SIZE
@@ -393,11 +630,10 @@ def _run_doctor(args: argparse.Namespace) -> int:
             texts, labels = _load_texts(args.data, batch_size)
         elif texts:
             texts = texts[:batch_size]
-        tokenizer = load_tokenizer(path)
-        if texts and tokenizer is None:
-            raise UsageError(f"--model {args.model}: no tokenizer saved there to encode the texts")
+        # A bad file is refused before the model loads; its names are checked after.
+        inputs = _load_sample_inputs(args.sample_inputs) if args.sample_inputs else None
         model = load_model(path)
-        batch = _doctor_batch(model, tokenizer, texts, labels)
+        batch = _doctor_batch(model, args, path, texts, labels, inputs)
         lr = args.lr if args.lr is not None else _DEFAULT_LR
     diagnosis = diagnose(model, batch, lr=lr, steps=args.steps, device=args.device)
     print(diagnosis)

@@ -247,7 +247,7 @@ def _run_stage(
         ):
             output = work(**batch)
             loss = loss_fn(output, batch)
-        if step == 0 and loss_fn is _default_loss:
+        if step == 0 and loss_fn is _default_loss and _loss_is_a_mean(work):
             uniform = _uniform_guess_loss(output)
         if probe.first is not None and overflow_module is None:
             overflow_module, overflow_step = probe.first, step
@@ -287,6 +287,14 @@ def _run_stage(
         final_scale=scaler.get_scale() if scaler is not None else None,
         uniform_loss=uniform,
     )
+
+
+def _loss_is_a_mean(model: nn.Module) -> bool:
+    """Whether the model's own loss is a per-token mean, which ln(C) can be compared with. A
+    CTC head summing over the batch (Wav2Vec2's default ``ctc_loss_reduction="sum"``) scores
+    hundreds on a fresh model: no sign of divergence."""
+    config = getattr(model, "config", None)
+    return getattr(config, "ctc_loss_reduction", "mean") != "sum"
 
 
 def _uniform_guess_loss(output: Any) -> float | None:

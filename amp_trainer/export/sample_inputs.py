@@ -45,7 +45,11 @@ DEFAULT_SAMPLE_TEXTS = (
 MAIN_INPUTS = ("input_ids", "pixel_values", "input_features", "input_values")
 _RANDOM_BATCH, _RANDOM_LENGTH = 8, 16
 _AUDIO_FRAMES = 16  # feature frames a raw-audio sample is long enough for
-_TO_PASS = "pass sample_inputs={name: tensor, ...}, the keyword arguments of one forward call"
+#: How the refusals end: what to pass instead. A front end with its own way to give inputs (the
+#: CLI's ``--sample-inputs FILE``) replaces this suffix with its own.
+PASS_SAMPLE_INPUTS = (
+    "pass sample_inputs={name: tensor, ...}, the keyword arguments of one forward call"
+)
 
 
 class SampleInputsError(ValueError):
@@ -56,7 +60,7 @@ class SampleInputsError(ValueError):
 def cannot_feed(model: nn.Module, why: str) -> SampleInputsError:
     """The one-line refusal for ``model``: why, and what to pass instead."""
     return SampleInputsError(
-        f"cannot make sample inputs for {type(model).__name__}: {why}; {_TO_PASS}"
+        f"cannot make sample inputs for {type(model).__name__}: {why}; {PASS_SAMPLE_INPUTS}"
     )
 
 
@@ -104,7 +108,7 @@ def make_sample_batch(
     if texts and main != "input_ids":
         raise SampleInputsError(
             f"sample texts were given, but {type(model).__name__} takes {main}, not text; "
-            f"{_TO_PASS}"
+            f"{PASS_SAMPLE_INPUTS}"
         )
     generator = torch.Generator().manual_seed(seed)
     if main == "input_ids":
