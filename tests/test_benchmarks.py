@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -158,6 +159,17 @@ def test_bench_step_cost_prints_one_row_per_optimizer_with_the_ratios(tmp_path, 
     assert [r[0] for r in rows] == ["sgd", "adamw-foreach", "adamw-fused"]
     assert "Machine (before): CPU " in out and "load average" in out
     assert report.read_text().strip() == out.strip()
+    # The passes alone, and the floor they predict for the exact fold.
+    header, rows = _table_rows(out, "pass over every gradient")
+    assert [r[0] for r in rows] == [
+        "unscale (read + write, inf check)",
+        "norm (read)",
+        "multiply (read + write)",
+    ]
+    match = re.search(r"\(unscale \+ norm \+ multiply\) = (\d+\.\d+)\.", out)
+    assert match is not None, out
+    floor = float(match.group(1))
+    assert 0 < floor < 1
 
 
 def test_bench_step_cost_checks_that_ours_and_torch_step_identically():
