@@ -247,7 +247,10 @@ class AmpTrainingArguments(TrainingArguments):
         ):
             # A bf16-capable CPU and no accelerator: TrainingArguments refuses bf16 there unless
             # use_cpu=True says the CPU is meant. "auto" must not turn that into an error.
-            logger.info("precision='auto' picked fp32 here; pass use_cpu=True to get bf16 on CPU")
+            logger.info(
+                "precision='auto' trains in fp32 after all: transformers allows bf16 on a CPU "
+                "only with use_cpu=True (--use_cpu true), which gives the bf16 above"
+            )
             precision = "fp32"
         return precision
 
