@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import logging
 import os
 import subprocess
 import sys
@@ -154,6 +155,19 @@ def fresh_accelerate_state(monkeypatch):
     reset_accelerate_state()
     yield
     reset_accelerate_state()
+
+
+@pytest.fixture(autouse=True)
+def restore_library_logger():
+    """``amp-trainer``'s CLI, run in-process by some tests, sets the ``amp_trainer`` logger's level
+    (WARNING unless --verbose) as a command should; the next test must not inherit it (the
+    held-logs tests saw their INFO records dropped after the CLI tests had run)."""
+    library = logging.getLogger("amp_trainer")
+    saved = library.level, library.propagate, list(library.handlers)
+    yield
+    library.setLevel(saved[0])
+    library.propagate = saved[1]
+    library.handlers[:] = saved[2]
 
 
 def make_tiny_bert(num_labels: int = 2, vocab_size: int = 128, seed: int = 0, **overrides):
