@@ -19,7 +19,7 @@ import torch
 import transformers as tf
 from conftest import REPO_ROOT, subprocess_env
 from safetensors.torch import save_file
-from test_export_families import tiny_bart, tiny_t5, tiny_vit, tiny_whisper
+from test_export_families import tiny_bart, tiny_t5, tiny_vit, tiny_wav2vec2_ctc, tiny_whisper
 
 from amp_trainer.cli import main
 
@@ -30,24 +30,6 @@ def one_line_error(capsys) -> str:
     assert len(lines) == 1, err
     assert "Traceback" not in err
     return lines[0]
-
-
-def tiny_wav2vec2_ctc(**overrides):
-    torch.manual_seed(0)
-    config = tf.Wav2Vec2Config(
-        vocab_size=32,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=2,
-        **overrides,
-    )
-    return tf.Wav2Vec2ForCTC(config)
 
 
 MAKERS = {

@@ -110,6 +110,24 @@ def fp16(batch):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+def tiny_wav2vec2_ctc(**overrides):
+    torch.manual_seed(0)
+    config = tf.Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2,
+        **overrides,
+    )
+    return tf.Wav2Vec2ForCTC(config)
+
+
 def test_each_family_exports_with_a_parity_report_and_reloads(family, tmp_path):
     make, inputs = FAMILIES[family]
     torch.manual_seed(0)
@@ -249,19 +267,7 @@ def test_a_saved_feature_extractor_makes_the_speech_features(tmp_path):
 
 
 def test_raw_audio_models_get_enough_samples_for_their_convolutions():
-    config = tf.Wav2Vec2Config(
-        vocab_size=32,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=2,
-    )
-    model = tf.Wav2Vec2ForCTC(config).eval()
+    model = tiny_wav2vec2_ctc().eval()
     batch = make_sample_batch(model)
     with torch.no_grad():
         logits = model(**batch).logits
