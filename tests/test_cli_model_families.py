@@ -19,18 +19,10 @@ import torch
 import transformers as tf
 from conftest import REPO_ROOT, subprocess_env
 from safetensors.torch import save_file
+from test_cli import one_line_error
 from test_export_families import tiny_bart, tiny_t5, tiny_vit, tiny_wav2vec2_ctc, tiny_whisper
 
 from amp_trainer.cli import main
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    return lines[0]
-
 
 MAKERS = {
     "vit": tiny_vit,
