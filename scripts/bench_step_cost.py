@@ -43,6 +43,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench_scaler import LOSS_SCALE, make_optimizer, numel, quartiles, shapes_for_size
@@ -87,23 +88,22 @@ def step_functions(
     loss = torch.ones(())
     clip_seconds = {} if clip_seconds is None else clip_seconds
 
-    def run_torch() -> None:
-        reference.scale(loss)
-        start = time.perf_counter()
-        reference.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        clip_seconds["torch"] = time.perf_counter() - start
-        reference.step(optimizer)
-        reference.update()
+    def unscale_then_clip(scaler: Any, name: str) -> Callable[[], None]:
+        """The Trainer/Accelerate flow: ``unscale_`` + torch's clip, then step and update."""
 
-    def run_two_pass() -> None:
-        two_pass.scale(loss)
-        start = time.perf_counter()
-        two_pass.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        clip_seconds["two-pass"] = time.perf_counter() - start
-        two_pass.step(optimizer)
-        two_pass.update()
+        def run() -> None:
+            scaler.scale(loss)
+            start = time.perf_counter()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+            clip_seconds[name] = time.perf_counter() - start
+            scaler.step(optimizer)
+            scaler.update()
+
+        return run
+
+    run_torch = unscale_then_clip(reference, "torch")
+    run_two_pass = unscale_then_clip(two_pass, "two-pass")
 
     def run_ours() -> None:
         ours.scale(loss)

@@ -293,10 +293,10 @@ def diff_profiles(profile_dir: Path, base: str, other: str, top: int = 12) -> st
     b = json.loads((profile_dir / f"{other}.json").read_text())
 
     def split(profile: dict[str, Any]) -> tuple[float, float]:
+        """GEMM ms and everything-else ms per step."""
         gemm = sum(v["self_cpu_us"] for k, v in profile["ops"].items() if k in GEMM_OPS)
-        return gemm / 1000, sum(v["self_cpu_us"] for v in profile["ops"].values()) / 1000 - (
-            gemm / 1000
-        )
+        total = sum(v["self_cpu_us"] for v in profile["ops"].values())
+        return gemm / 1000, (total - gemm) / 1000
 
     def calls(profile: dict[str, Any]) -> dict[str, int]:
         return {k: round(v["calls"]) for k, v in profile["gemm"].items()}
