@@ -5,7 +5,11 @@ Each subcommand is a thin shell over a library function (:func:`amp_trainer.expo
 mistake (a missing folder, a threshold out of range, a model that cannot be loaded) prints ONE
 line on stderr and exits 2; a failed parity check, an unhealthy diagnosis or a runtime failure
 (disk full) exits 1; success exits 0. Never a traceback unless ``--debug`` asks for it: errors
-are mapped by :func:`amp_trainer.recipe_support.config.run_entry_point`, the recipes' mapping too.
+are mapped by :func:`amp_trainer.entry_point.run_entry_point`, the recipes' mapping too.
+
+``export`` and ``doctor --model`` import nothing from :mod:`amp_trainer.recipes`: only
+``doctor --config`` and ``doctor --model tiny-bert`` (a recipe's model, built as the recipe
+builds it) load recipe code, inside the subcommand.
 """
 
 from __future__ import annotations
@@ -21,14 +25,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.recipe_support.config import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_USAGE,
-    UsageError,
-    run_entry_point,
-)
-from amp_trainer.recipe_support.models import OFFLINE_MINILM, TINY_MODEL_CONFIGS
+from amp_trainer.entry_point import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError, run_entry_point
+from amp_trainer.offline_model import OFFLINE_MINILM, resolve_model_path
 
 __all__ = ["build_parser", "main"]
 
@@ -37,7 +35,10 @@ logger = logging.getLogger("amp_trainer.cli")
 _DEFAULT_LR, _DEFAULT_BATCH_SIZE = 5e-5, 8
 # Names the recipes' model_name_or_path accepts that are no saved model (or a headless one):
 # the doctor builds them as the recipe does.
-_RECIPE_MODEL_NAMES = (*sorted(TINY_MODEL_CONFIGS), OFFLINE_MINILM)
+# Spelled here so that parsing imports no recipe code; tests/test_cli.py checks that they are
+# the names amp_trainer.recipes.models builds (its TINY_MODEL_CONFIGS).
+TINY_MODEL_NAMES = ("tiny-bert", "tiny-gpt2")
+_RECIPE_MODEL_NAMES = (*TINY_MODEL_NAMES, OFFLINE_MINILM)
 # "bert-base-uncased", "org/model": what the hub accepts; "./x", "/a/b/c", "a/b/c" are paths.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
@@ -236,15 +237,13 @@ def _check_model_arg(name: str) -> str:
     recipes' from-scratch names (``tiny-bert``) are no saved model: refused here, the doctor
     handles them before calling this.
     """
-    if name in TINY_MODEL_CONFIGS:
+    if name in TINY_MODEL_NAMES:
         raise UsageError(
             f"--model {name}: a recipe's untrained from-scratch model; train it with its "
             "recipe and pass the recipe's output_dir"
         )
     if name == OFFLINE_MINILM:
-        from amp_trainer.recipe_support.models import resolve_model_path
-
-        return resolve_model_path(name)  # DataError (one line) without the offline extra
+        return resolve_model_path(name)  # UsageError (one line) without the offline extra
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -583,8 +582,8 @@ def _add_labels(model: Any, batch: dict, labels: Any, where: str) -> dict:
 def _recipe_batch(args: argparse.Namespace) -> tuple[Any, dict, float]:
     """Model, batch and lr of a recipe config (``--config``; or ``--model tiny-bert``: the
     recipe's built-in defaults), built by
-    :func:`amp_trainer.recipe_support.models.load_recipe_batch`."""
-    from amp_trainer.recipe_support.models import load_recipe_batch
+    :func:`amp_trainer.recipes.models.load_recipe_batch`."""
+    from amp_trainer.recipes.models import load_recipe_batch
 
     if args.texts or args.data or args.sample_inputs:
         option = "--texts" if args.texts else "--data" if args.data else "--sample-inputs"

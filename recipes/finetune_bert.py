@@ -14,7 +14,7 @@ starts from the bare defaults); flags override the file. ``--help`` lists every 
 Flow: arguments -> data (checked before anything expensive) -> tokenizer -> model (+ LoRA) ->
 AmpTrainer.train/evaluate -> save model, metrics.json, training.png, FP16 export, summary table.
 What this recipe shares with the GPT-2 one (common flags, parsing, logging, phase timing and
-that end of the run) is in ``amp_trainer/recipe_support/run.py``.
+that end of the run) is in ``amp_trainer/recipes/run.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 from transformers import DataCollatorWithPadding
 
 from amp_trainer import AmpTrainer
-from amp_trainer.recipe_support.run import (
+from amp_trainer.recipes import (
     CLASSIFICATION,
     RecipeRun,
     SharedDataArguments,

@@ -16,7 +16,7 @@ Flow: arguments -> corpus (checked before anything expensive) -> tokenizer -> co
 chunk -> model (+ LoRA) -> evaluate, train, evaluate -> save model, metrics.json, training.png,
 FP16 export, summary table.
 What this recipe shares with the BERT one (common flags, parsing, logging, phase timing and
-that end of the run) is in ``amp_trainer/recipe_support/run.py``.
+that end of the run) is in ``amp_trainer/recipes/run.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from transformers import default_data_collator
 
 from amp_trainer import AmpTrainer
-from amp_trainer.recipe_support.run import (
+from amp_trainer.recipes import (
     CAUSAL_LM,
     RecipeRun,
     SharedDataArguments,

@@ -256,7 +256,7 @@ def test_recipe_models_keys_match_the_recipes_arguments(monkeypatch):
     import dataclasses
     import importlib.util
 
-    from amp_trainer.recipe_support.models import CAUSAL_LM, CLASSIFICATION, RECIPE_KEYS
+    from amp_trainer.recipes.models import CAUSAL_LM, CLASSIFICATION, RECIPE_KEYS
 
     for script, task in (("finetune_bert", CLASSIFICATION), ("finetune_gpt2", CAUSAL_LM)):
         spec = importlib.util.spec_from_file_location(
@@ -288,3 +288,38 @@ def test_offline_minilm_alias_is_accepted_as_a_model(tmp_path, capsys):
     argv = ["export", "--model", "offline:all-MiniLM-L6-v2", "--output", str(tmp_path / "out")]
     assert main(argv) == 2
     assert "exists and is not empty" in one_line_error(capsys)
+
+
+def test_the_cli_spells_the_recipes_model_names_as_the_recipes_build_them():
+    from amp_trainer import cli
+    from amp_trainer.recipes import OFFLINE_MINILM, TINY_MODEL_CONFIGS
+
+    assert set(cli.TINY_MODEL_NAMES) == set(TINY_MODEL_CONFIGS)
+    assert cli.OFFLINE_MINILM == OFFLINE_MINILM
+
+
+@pytest.mark.parametrize("command", ["export", "doctor"])
+def test_export_and_doctor_on_a_model_folder_load_no_recipe_code(command, model_dir, tmp_path):
+    """The CLI's export and doctor --model run whole without importing amp_trainer.recipes."""
+    argv = (
+        ["export", "--model", str(model_dir), "--output", str(tmp_path / "out")]
+        if command == "export"
+        else ["doctor", "--model", str(model_dir), "--texts", "a great film", "--steps", "1"]
+    )
+    code = (
+        "import sys\n"
+        "from amp_trainer.cli import main\n"
+        f"code = main({argv!r})\n"
+        "print('RECIPES', sorted(m for m in sys.modules if m.startswith('amp_trainer.recipes')))\n"
+        "print('EXIT', code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert "EXIT 0" in done.stdout or "EXIT 1" in done.stdout, done.stderr[-2000:]
+    assert "RECIPES []" in done.stdout, done.stdout

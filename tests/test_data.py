@@ -1,4 +1,4 @@
-"""amp_trainer.recipe_support.data: offline datasets, local files, tokenizer cache, chunking,
+"""amp_trainer.recipes.data: offline datasets, local files, tokenizer cache, chunking,
 input errors."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from amp_trainer.recipe_support import data, models
-from amp_trainer.recipe_support.data import DataError
-from amp_trainer.recipe_support.tokenizers import (
+from amp_trainer.recipes import data, models
+from amp_trainer.recipes.data import DataError
+from amp_trainer.recipes.tokenizers import (
     cache_dir,
     train_byte_level_bpe_tokenizer,
     train_wordpiece_tokenizer,

@@ -29,8 +29,8 @@ import pytest
 from datasets import ClassLabel, Dataset, Features, Value
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
-from amp_trainer.recipe_support.data import offline_classification_dataset, offline_lm_dataset
-from amp_trainer.recipe_support.tokenizers import (
+from amp_trainer.recipes.data import offline_classification_dataset, offline_lm_dataset
+from amp_trainer.recipes.tokenizers import (
     train_byte_level_bpe_tokenizer,
     train_wordpiece_tokenizer,
 )

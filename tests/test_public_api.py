@@ -131,3 +131,61 @@ def test_no_private_name_is_imported_across_package_modules():
         if alias.name.startswith("_") and alias.name != "__version__"
     ]
     assert crossing == []
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The amp_trainer modules ``path`` imports at module level (not inside a function)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_trainer"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("amp_trainer"))
+    return found
+
+
+def test_the_core_never_imports_the_recipes_package():
+    """One-way rule: amp_trainer.recipes depends on the core, never the reverse; the CLI alone
+    may load it, and only inside a subcommand (never when it is imported)."""
+    graph = _package_import_graph()
+    offenders = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if not module.startswith("amp_trainer.recipes") and module != "amp_trainer.cli"
+        for target in targets
+        if target.startswith("amp_trainer.recipes")
+    )
+    assert offenders == []
+    cli = Path(amp_trainer.__file__).parent / "cli.py"
+    assert not {m for m in _top_level_imports(cli) if m.startswith("amp_trainer.recipes")}
+
+
+def test_the_recipes_package_exports_documented_names_only():
+    import amp_trainer.recipes as recipes
+
+    reference = (REPO_ROOT / "docs" / "reference" / "recipes.md").read_text()
+    undocumented = [name for name in recipes.__all__ if f"`{name}`" not in reference]
+    assert undocumented == []
+    for name in recipes.__all__:
+        value = getattr(recipes, name)
+        if callable(value):
+            assert (value.__doc__ or "").strip(), f"{name} has no docstring"
+
+
+def test_the_recipe_scripts_import_only_public_names():
+    """recipes/*.py are examples of the API: they import amp_trainer and amp_trainer.recipes
+    names, nothing from the submodules."""
+    import amp_trainer.recipes as recipes
+
+    public = {"amp_trainer": set(amp_trainer.__all__), "amp_trainer.recipes": set(recipes.__all__)}
+    wrong = []
+    for script in sorted((REPO_ROOT / "recipes").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("amp_trainer"):
+                allowed = public.get(node.module, set())
+                wrong += [
+                    f"{script.name}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name not in allowed
+                ]
+    assert wrong == []

@@ -20,12 +20,8 @@ import pytest
 import torch
 from conftest import REPO_ROOT, subprocess_env
 
-from amp_trainer.recipe_support.config import (
-    EXIT_USAGE,
-    check_output_dir,
-    describe_error,
-    run_entry_point,
-)
+from amp_trainer.entry_point import EXIT_USAGE, describe_error, run_entry_point
+from amp_trainer.recipes.config import check_output_dir
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
 
 FAST = ["--max_steps", "1", "--max_train_samples", "16", "--max_eval_samples", "8"]
@@ -231,7 +227,7 @@ TEXTS = [f"the quick brown fox number {i} jumps over the lazy dog" for i in rang
 
 
 def test_a_corrupted_tokenizer_cache_entry_is_trained_again(tmp_path, monkeypatch, caplog):
-    from amp_trainer.recipe_support.tokenizers import train_wordpiece_tokenizer
+    from amp_trainer.recipes.tokenizers import train_wordpiece_tokenizer
 
     monkeypatch.setenv("AMP_TRAINER_CACHE", str(tmp_path))
     first = train_wordpiece_tokenizer(TEXTS, vocab_size=100)
@@ -259,7 +255,7 @@ def read_only_folder(path):
 def test_a_read_only_cache_falls_back_to_a_temp_folder_with_a_warning(
     tmp_path, monkeypatch, caplog
 ):
-    from amp_trainer.recipe_support.tokenizers import train_wordpiece_tokenizer
+    from amp_trainer.recipes.tokenizers import train_wordpiece_tokenizer
 
     restore = read_only_folder(tmp_path / "ro")
     monkeypatch.setenv("AMP_TRAINER_CACHE", str(tmp_path / "ro"))
@@ -337,7 +333,7 @@ def test_a_config_runs_with_either_spelling_of_length_grouping(
     # transformers 5.0 (our lower bound) says group_by_length, later 5.x train_sampling_strategy.
     from transformers import HfArgumentParser
 
-    from amp_trainer.recipe_support.config import parse_args_with_config
+    from amp_trainer.recipes.config import parse_args_with_config
 
     config = tmp_path / "c.yaml"
     config.write_text(f"{key}: {yaml_value}\n")

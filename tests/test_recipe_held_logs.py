@@ -1,5 +1,5 @@
 """The library's log lines from parsing a recipe's flags are held until its logging is set up
-(recipe_support/held_logs.py): once each, at the run's level, and at once if parsing fails."""
+(recipes/held_logs.py): once each, at the run's level, and at once if parsing fails."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from amp_trainer.recipe_support.held_logs import holding_library_logs, release
+from amp_trainer.recipes.held_logs import holding_library_logs, release
 
 LIBRARY = logging.getLogger("amp_trainer.precision")
 

@@ -57,7 +57,7 @@ def test_help_never_breaks_a_flag_or_a_path_across_lines(columns, monkeypatch):
     from transformers import HfArgumentParser
 
     from amp_trainer import AmpTrainingArguments
-    from amp_trainer.recipe_support.config import RunArguments, _short_help
+    from amp_trainer.recipes.config import RunArguments, _short_help
 
     monkeypatch.setenv("COLUMNS", str(columns))
     config = "/a/rather-long/checkout-path/for/ci-machines/configs/bert_offline.yaml"

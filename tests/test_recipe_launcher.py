@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from amp_trainer.recipe_support.config import EXIT_USAGE, UsageError, run_entry_point
-from amp_trainer.recipe_support.run import RecipeRun
+from amp_trainer.recipes.config import EXIT_USAGE, UsageError, run_entry_point
+from amp_trainer.recipes.run import RecipeRun
 from tests.conftest import REPO_ROOT, subprocess_env
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))

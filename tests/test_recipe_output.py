@@ -62,7 +62,7 @@ def write_csv(path: Path, header: str, rows: list[str]) -> str:
 
 
 def sentences(n: int) -> list[str]:
-    from amp_trainer.recipe_support.data import offline_classification_dataset
+    from amp_trainer.recipes.data import offline_classification_dataset
 
     return [s.replace(",", " ") for s in offline_classification_dataset()["train"]["sentence"][:n]]
 
@@ -72,7 +72,7 @@ def bert_run(tmp_path_factory) -> Run:
     """BERT from a masked-LM checkpoint (new classifier head) on the user's CSV."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from amp_trainer.recipe_support.tokenizers import train_wordpiece_tokenizer
+    from amp_trainer.recipes.tokenizers import train_wordpiece_tokenizer
 
     scratch = tmp_path_factory.mktemp("bert")
     texts = sentences(48)
@@ -200,7 +200,7 @@ def test_cpu_fp16_notices_keeps_only_that_notice_and_shows_other_warnings(monkey
     import warnings
 
     from amp_trainer import precision
-    from amp_trainer.recipe_support.output import cpu_fp16_notices
+    from amp_trainer.recipes.output import cpu_fp16_notices
 
     monkeypatch.setattr(precision, "_warned_cpu_fp16", False)
     with warnings.catch_warnings(record=True) as shown:

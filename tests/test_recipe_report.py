@@ -27,9 +27,9 @@ from conftest import REPO_ROOT, subprocess_env, tiny_training_args
 from test_forward_overflow import WO, ToySeq2Seq, make_overflowing_t5
 
 from amp_trainer import AmpTrainer
-from amp_trainer.recipe_support.config import given_on_command_line
-from amp_trainer.recipe_support.data import offline_lm_dataset
-from amp_trainer.recipe_support.reporting import (
+from amp_trainer.recipes.config import given_on_command_line
+from amp_trainer.recipes.data import offline_lm_dataset
+from amp_trainer.recipes.reporting import (
     FORWARD_OVERFLOW_LABEL,
     SKIPPED_STEP_LABEL,
     accuracy_against_majority,
@@ -39,7 +39,7 @@ from amp_trainer.recipe_support.reporting import (
     training_figure,
     validation_size_hint,
 )
-from amp_trainer.recipe_support.run import RecipeRun
+from amp_trainer.recipes.run import RecipeRun
 
 BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
 GPT2 = str(REPO_ROOT / "recipes" / "finetune_gpt2.py")
@@ -92,7 +92,7 @@ def test_every_label_of_the_scalerless_plot_lies_inside_the_figure():
 
 def test_plot_is_skipped_with_a_warning_without_matplotlib(monkeypatch, tmp_path, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an absent package looks like
-    with caplog.at_level(logging.WARNING, logger="amp_trainer.recipe_support.reporting"):
+    with caplog.at_level(logging.WARNING, logger="amp_trainer.recipes.reporting"):
         assert plot_training(LOGS, [], tmp_path / "training.png", precision="bf16") is None
     assert "amp-trainer[recipes]" in caplog.text
     assert not list(tmp_path.iterdir())

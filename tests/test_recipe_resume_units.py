@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from amp_trainer.recipe_support.config import UsageError
-from amp_trainer.recipe_support.resume import (
+from amp_trainer.recipes.config import UsageError
+from amp_trainer.recipes.resume import (
     interrupted,
     last_complete_checkpoint,
     launcher_prefix,
@@ -40,7 +40,7 @@ def checkpoints(run, marked_step=None, steps=(1, 2)):
 
 def test_a_checkpoint_holding_the_incomplete_marker_is_skipped_and_named(tmp_path, caplog):
     run = checkpoints(tmp_path / "run", marked_step=2)
-    with caplog.at_level(logging.WARNING, logger="amp_trainer.recipe_support.resume"):
+    with caplog.at_level(logging.WARNING, logger="amp_trainer.recipes.resume"):
         assert last_complete_checkpoint(run) == str(run / "checkpoint-1")
         assert resolve_checkpoint("true", str(run)) == str(run / "checkpoint-1")
         assert resolve_checkpoint(str(run), str(tmp_path)) == str(run / "checkpoint-1")

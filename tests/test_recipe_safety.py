@@ -202,8 +202,8 @@ def test_a_truncated_scaler_pt_is_one_line_naming_the_file(finished, tmp_path):
     [("tiny-gpt2", "classification", "finetune_gpt2.py"), ("tiny-bert", "causal-lm", "bert.py")],
 )
 def test_each_recipe_refuses_the_other_recipes_from_scratch_model(name, task, other):
-    from amp_trainer.recipe_support.data import DataError
-    from amp_trainer.recipe_support.models import check_model_path
+    from amp_trainer.recipes.data import DataError
+    from amp_trainer.recipes.models import check_model_path
 
     with pytest.raises(DataError, match=rf"{name!r} is the from-scratch model of .*{other}"):
         check_model_path(name, task)
@@ -213,9 +213,9 @@ def test_each_recipe_refuses_the_other_recipes_from_scratch_model(name, task, ot
 def test_the_gpt2_recipes_tokenizer_on_resume_is_the_checkpoints_and_a_damaged_one_is_named(
     tmp_path, monkeypatch
 ):
-    from amp_trainer.recipe_support.data import DataError
-    from amp_trainer.recipe_support.models import causal_lm_tokenizer
-    from amp_trainer.recipe_support.tokenizers import train_byte_level_bpe_tokenizer
+    from amp_trainer.recipes.data import DataError
+    from amp_trainer.recipes.models import causal_lm_tokenizer
+    from amp_trainer.recipes.tokenizers import train_byte_level_bpe_tokenizer
 
     monkeypatch.setenv("AMP_TRAINER_CACHE", str(tmp_path / "cache"))
     texts = [f"the quick brown fox number {i} jumps over the lazy dog" for i in range(50)]

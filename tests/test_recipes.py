@@ -18,8 +18,8 @@ import pytest
 from transformers import HfArgumentParser
 
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.recipe_support.config import parse_args_with_config
-from amp_trainer.recipe_support.reporting import (
+from amp_trainer.recipes.config import parse_args_with_config
+from amp_trainer.recipes.reporting import (
     format_table,
     plot_training,
     summarize_loss_scale,

@@ -19,7 +19,7 @@ from transformers import TrainerControl
 from amp_trainer import AmpTrainer
 from amp_trainer.atomic_files import write_json_atomic
 from amp_trainer.checkpointing import AMP_STATE_FILE
-from amp_trainer.recipe_support.reporting import plot_training, summarize_loss_scale
+from amp_trainer.recipes.reporting import plot_training, summarize_loss_scale
 
 OVERFLOWS = {7, 8, 40, 333}  # the same events in every run length below
 

@@ -14,7 +14,7 @@ from conftest import make_tiny_bert, reset_accelerate_state, tiny_training_args
 from test_trainer_support import InjectOverflow, ToyClassification
 
 from amp_trainer import AmpTrainer
-from amp_trainer.recipe_support.reporting import summarize_loss_scale
+from amp_trainer.recipes.reporting import summarize_loss_scale
 
 MAX_STEPS = 6
 CHECKPOINT_STEP = 3

@@ -266,7 +266,7 @@ def test_resuming_another_folders_checkpoint_spares_every_checkpoint_of_the_outp
 def test_cli_export_with_a_truncated_tokenizer_json_is_one_line_exit_2_nothing_written(
     tmp_path, monkeypatch
 ):
-    from amp_trainer.recipe_support.tokenizers import train_wordpiece_tokenizer
+    from amp_trainer.recipes.tokenizers import train_wordpiece_tokenizer
 
     monkeypatch.setenv("AMP_TRAINER_CACHE", str(tmp_path / "cache"))
     model = tmp_path / "model"

@@ -20,7 +20,7 @@ from datasets import Dataset  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from amp_trainer import AmpTrainerMixin, AmpTrainingArguments  # noqa: E402
-from amp_trainer.recipe_support.tokenizers import train_byte_level_bpe_tokenizer  # noqa: E402
+from amp_trainer.recipes.tokenizers import train_byte_level_bpe_tokenizer  # noqa: E402
 
 _COLOURS = ["red", "green", "blue", "yellow", "black", "white", "orange", "purple"]
 _THINGS = ["apple", "car", "house", "bird", "river", "stone", "cloud", "book"]

@@ -22,7 +22,7 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from amp_trainer import AmpTrainerMixin, AmpTrainingArguments  # noqa: E402
-from amp_trainer.recipe_support.tokenizers import train_byte_level_bpe_tokenizer  # noqa: E402
+from amp_trainer.recipes.tokenizers import train_byte_level_bpe_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

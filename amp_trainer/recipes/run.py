@@ -18,7 +18,8 @@ A recipe uses it like this (``recipes/finetune_bert.py`` in full)::
     run.finish(trainer, train_result, model, export_samples=..., results=..., summary=...)
 
 The building blocks a recipe calls (data loading, tokenizers, models, the entry point) are
-re-exported here, so that a recipe imports from ``amp_trainer`` and this module only.
+exported by :mod:`amp_trainer.recipes`, so that a recipe imports from ``amp_trainer`` and
+``amp_trainer.recipes`` only.
 """
 
 from __future__ import annotations
@@ -37,43 +38,28 @@ from transformers import HfArgumentParser
 
 from amp_trainer import AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
-from amp_trainer.recipe_support.config import (
+from amp_trainer.recipes.config import (
     RunArguments,
     check_output_dir,
     given_on_command_line,
     parse_args_with_config,
-    run_entry_point,
 )
-from amp_trainer.recipe_support.data import (
+from amp_trainer.recipes.data import (
     OFFLINE_DATASET,
-    load_lm_corpus,
-    load_text_classification,
-    tokenize_and_chunk,
-    tokenize_classification,
 )
-from amp_trainer.recipe_support.held_logs import holding_library_logs, release
-from amp_trainer.recipe_support.launcher import LauncherPrecision
-from amp_trainer.recipe_support.models import (
-    CAUSAL_LM,
-    CLASSIFICATION,
+from amp_trainer.recipes.held_logs import holding_library_logs, release
+from amp_trainer.recipes.launcher import LauncherPrecision
+from amp_trainer.recipes.models import (
     TINY_MODEL_CONFIGS,
-    apply_lora,
-    build_causal_lm,
-    build_classifier,
-    causal_lm_tokenizer,
-    check_labels_against_model,
     check_model_path,
-    check_sequence_length,
-    classification_tokenizer,
 )
-from amp_trainer.recipe_support.output import (
+from amp_trainer.recipes.output import (
     cpu_fp16_notices,
     no_pin_memory_on_cpu,
     recipe_output,
 )
-from amp_trainer.recipe_support.reporting import (
+from amp_trainer.recipes.reporting import (
     LossScaleSummary,
-    accuracy_against_majority,
     activation_memory,
     describe_activation_memory,
     first_batch,
@@ -82,9 +68,8 @@ from amp_trainer.recipe_support.reporting import (
     peak_memory,
     plot_training,
     summarize_loss_scale,
-    validation_size_hint,
 )
-from amp_trainer.recipe_support.resume import (
+from amp_trainer.recipes.resume import (
     interrupted,
     preempted,
     resumed_from_line,
@@ -96,29 +81,7 @@ if TYPE_CHECKING:
 
     from amp_trainer import AmpTrainer
 
-# Its own names, and the building blocks of recipe_support that the recipes call.
-__all__ = [
-    "CAUSAL_LM",
-    "CLASSIFICATION",
-    "RecipeRun",
-    "SharedDataArguments",
-    "SharedModelArguments",
-    "accuracy_against_majority",
-    "apply_lora",
-    "apply_sample_limits",
-    "build_causal_lm",
-    "build_classifier",
-    "causal_lm_tokenizer",
-    "check_labels_against_model",
-    "check_sequence_length",
-    "classification_tokenizer",
-    "load_lm_corpus",
-    "load_text_classification",
-    "run_entry_point",
-    "tokenize_and_chunk",
-    "tokenize_classification",
-    "validation_size_hint",
-]
+__all__ = ["RecipeRun", "SharedDataArguments", "SharedModelArguments", "apply_sample_limits"]
 
 
 # The training arguments recorded in metrics.json next to the results they produced.
@@ -143,6 +106,9 @@ _TRAINING_KEYS = (
 
 @dataclass
 class SharedModelArguments:
+    """The model flags both recipes have; a recipe subclasses it for its defaults and own flags
+    (``recipes/finetune_bert.py``'s ``ModelArguments``), parsed by ``HfArgumentParser``."""
+
     model_name_or_path: str = field(
         metadata={"help": "A hub id or local folder for from_pretrained."}
     )
@@ -163,6 +129,9 @@ class SharedModelArguments:
 
 @dataclass
 class SharedDataArguments:
+    """The data flags both recipes have (hub dataset, local files, sample limits); a recipe
+    subclasses it for its columns and sequence length, parsed by ``HfArgumentParser``."""
+
     dataset_name: str | None = field(
         default=OFFLINE_DATASET,
         metadata={
@@ -237,10 +206,10 @@ class RecipeRun:
     # Said while parsing, logged by start() once logging is set up (the CPU FP16 notice).
     notices: list[str] = field(default_factory=list)
     # What the library logged while the flags were parsed, before logging was set up: start()
-    # logs it (recipe_support/held_logs.py).
+    # logs it (recipes/held_logs.py).
     held_logs: list[logging.LogRecord] = field(default_factory=list, repr=False)
     _phase_start: float = field(init=False)
-    # The run's output policy (recipe_support/output.py): entered by start(), left by finish().
+    # The run's output policy (recipes/output.py): entered by start(), left by finish().
     _output: contextlib.ExitStack = field(init=False, default_factory=contextlib.ExitStack)
 
     def __post_init__(self) -> None:
@@ -300,7 +269,7 @@ class RecipeRun:
 
     def given(self, *names: str) -> set[str]:
         """Which of ``names`` the command line set, as opposed to the config file or the
-        defaults (see :func:`~amp_trainer.recipe_support.config.given_on_command_line`)."""
+        defaults (see :func:`~amp_trainer.recipes.config.given_on_command_line`)."""
         return given_on_command_line(self.argv, names)
 
     def start(self, *, count_input_tokens: str) -> None:

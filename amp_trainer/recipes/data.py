@@ -16,8 +16,8 @@ ships with CPython (the source of ``help("if")``). From it we derive
 
 The split is a hash of each sentence/paragraph, so it is fixed and identical on every machine
 running the same Python version. Tokenizers for from-scratch runs are trained by
-:mod:`amp_trainer.recipe_support.tokenizers`; models are built by
-:mod:`amp_trainer.recipe_support.models`.
+:mod:`amp_trainer.recipes.tokenizers`; models are built by
+:mod:`amp_trainer.recipes.models`.
 
 Every check on user input happens here, before tokenization or model loading, and fails with a
 :class:`DataError` that names the bad value and what would have been valid.

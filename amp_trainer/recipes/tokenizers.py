@@ -34,7 +34,7 @@ def _show_progress() -> bool:
     """Whether the tokenizers trainer draws its bars: on a terminal, unless progress bars are
     off (a recipe's ``--disable_tqdm true``). Into a file or pipe it writes no bar, only three
     empty lines on stdout, in the middle of the run's output."""
-    from amp_trainer.recipe_support.output import progress_bars_enabled
+    from amp_trainer.recipes.output import progress_bars_enabled
 
     return sys.stdout.isatty() and progress_bars_enabled()
 

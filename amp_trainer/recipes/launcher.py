@@ -25,7 +25,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from amp_trainer.recipe_support.config import UsageError
+from amp_trainer.recipes.config import UsageError
 
 __all__ = ["LAUNCHER_ENV", "LauncherPrecision"]
 
@@ -54,7 +54,7 @@ class LauncherPrecision:
     ``parser`` and ``argv`` are the recipe's :class:`~transformers.HfArgumentParser` and its
     command line; the launcher's choice is read from the environment when this is built.
     :meth:`settle_config` is the ``reconcile`` hook of
-    :func:`~amp_trainer.recipe_support.config.parse_args_with_config`; :meth:`check` runs on the
+    :func:`~amp_trainer.recipes.config.parse_args_with_config`; :meth:`check` runs on the
     parsed arguments; :attr:`note` is the one line to log, if any.
     """
 

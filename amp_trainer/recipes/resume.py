@@ -27,7 +27,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from amp_trainer.recipe_support.config import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError
+from amp_trainer.recipes.config import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError
 
 __all__ = [
     "ResumeInterrupted",

@@ -5,31 +5,31 @@ file, then lets every flag override it. The YAML keys are the dataclass field na
 without ``--``), exactly what :meth:`transformers.HfArgumentParser.parse_yaml_file` accepts; the
 difference is that flags still work afterwards, which ``parse_yaml_file`` alone does not allow.
 
-:func:`run_entry_point` is how the recipes and the ``amp-trainer`` command end: every exception
-becomes ONE line on stderr and an exit code (2: a usage error the user can fix, 1: a runtime
-failure such as a full disk or a run that overflowed at the minimum loss scale). The traceback is
-not lost: it goes to a log file named on that line (runtime failures) and to stderr with
-``AMP_TRAINER_DEBUG=1`` (or the CLI's ``--debug``).
+:func:`run_entry_point` (from :mod:`amp_trainer.entry_point`, re-exported here) is how a recipe
+ends: every exception becomes ONE line on stderr and an exit code.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import datetime
-import json
 import logging
 import os
-import sys
-import tempfile
 import textwrap
-import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from amp_trainer.atomic_files import is_disk_full
+from amp_trainer.entry_point import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    UsageError,
+    one_line,
+    run_entry_point,
+)
 
 __all__ = [
     "EXIT_FAILED",
@@ -47,111 +47,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
-# 128 + SIGTERM: a preempted run (--enable_jit_checkpoint) saved its checkpoint and wants to be
-# restarted; not 0, so that a Kubernetes Job restarts it and a SLURM script can tell it apart.
-EXIT_TERMINATED = 143
-
-
-class UsageError(ValueError):
-    """A mistake the user can fix (a flag, a value, a file); reported as one line, exit 2."""
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(part.strip() for part in str(err).strip().splitlines() if part.strip())
-    if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
-        text = err.args[0]  # str(KeyError) is the repr of its argument
-    return text or type(err).__name__
-
-
-def describe_error(err: BaseException) -> tuple[int, str]:
-    """The exit code and the one-line message for ``err``.
-
-    Usage (2): our :class:`UsageError` and ``DataError``, every ``ValueError`` (out-of-range
-    settings, contradictory flags, unknown keys), missing extras, YAML syntax, and ``OSError``
-    other than a full disk (missing files, a path that is not a model folder, permissions), and a
-    garbled safetensors file. Runtime (1): a full disk wherever it hits, ``LossScaleError`` (a
-    ``FloatingPointError``), and anything else, named by its type.
-    """
-    from amp_trainer.scaler import LossScaleError
-
-    message = _one_line(err)
-    if is_disk_full(err):
-        if "no space left" not in message.lower():
-            message = f"no space left on device: {message}"
-        return EXIT_FAILED, message
-    if isinstance(err, LossScaleError):
-        return EXIT_FAILED, message
-    if isinstance(err, (ValueError, ImportError, OSError, argparse.ArgumentError)):
-        return EXIT_USAGE, message
-    if type(err).__name__ == "SafetensorError":  # a truncated or garbled weights file
-        return EXIT_USAGE, f"unreadable safetensors file: {message}"
-    if type(err).__module__.startswith("yaml"):  # yaml.YAMLError, without importing yaml here
-        return EXIT_USAGE, f"not valid YAML: {message}"
-    return EXIT_FAILED, f"{type(err).__name__}: {message}"
-
-
-def _traceback_file(prog: str, err: BaseException) -> Path | None:
-    """Write ``err``'s traceback to a log file and return its path (``None`` if that fails)."""
-    folder = Path(tempfile.gettempdir()) / "amp-trainer-logs"
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = folder / f"{prog.replace(' ', '-')}-{stamp}-{os.getpid()}.log"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(traceback.format_exception(err)), encoding="utf-8")
-    except OSError:
-        return None
-    return path
-
-
-def _tell_torchrun(line: str) -> None:
-    """Under torchrun (``accelerate launch`` with several processes) put ``line`` in the
-    worker's error file, so that torch's ``ChildFailedError`` summary shows it as the root cause
-    instead of "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html".
-
-    The format is the one :class:`torch.distributed.elastic.multiprocessing.errors.ProcessFailure`
-    reads (a ``message`` string and a ``timestamp``). Best effort: the line is on stderr anyway.
-    """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {"message": line, "timestamp": str(int(datetime.datetime.now().timestamp()))}
-    with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps(data), encoding="utf-8")
-
-
-def run_entry_point(main: Callable[[], int | None], prog: str, *, debug: bool | None = None) -> int:
-    """Run ``main()`` and turn any exception into one line on stderr and an exit code.
-
-    Returns ``main()``'s own return value (``None`` counts as 0). ``debug`` (default: the
-    ``AMP_TRAINER_DEBUG`` environment variable) also prints the traceback; without it the
-    traceback of a runtime failure is written to a log file whose path ends the line.
-    ``KeyboardInterrupt`` (Ctrl-C) is one line too, its own message if it has one (a recipe's
-    says how to resume), exit 130 as a shell reports SIGINT, or its ``exit_code`` (a recipe's
-    stop on SIGTERM: 143); ``SystemExit`` (``--help``) passes through untouched.
-    """
-    if debug is None:
-        debug = os.environ.get("AMP_TRAINER_DEBUG", "").lower() not in ("", "0", "false", "no")
-    try:
-        code = main()
-    except KeyboardInterrupt as err:
-        print(f"{prog}: {str(err) or 'interrupted'}", file=sys.stderr, flush=True)
-        return int(getattr(err, "exit_code", EXIT_INTERRUPTED))
-    except Exception as err:  # the one place every failure is reported
-        code, message = describe_error(err)
-        logger.debug("%s failed", prog, exc_info=True)
-        if debug:
-            traceback.print_exc()
-        elif code == EXIT_FAILED:
-            log = _traceback_file(prog, err)
-            if log is not None:
-                message += f" (traceback: {log})"
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-        _tell_torchrun(f"{prog}: error: {message}")
-        return code
-    return EXIT_OK if code is None else int(code)
 
 
 @dataclasses.dataclass
@@ -248,7 +143,7 @@ def load_yaml_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UsageError(f"config file {str(path)!r} is not valid YAML: {_one_line(err)}") from err
+        raise UsageError(f"config file {str(path)!r} is not valid YAML: {one_line(err)}") from err
     if not isinstance(data, dict):
         raise UsageError(
             f"config file {str(path)!r} must hold a mapping of argument names to values, "
@@ -276,7 +171,7 @@ def parse_args_with_config(
     config_path, flags)``, if given, sees the file's typed values and the command-line flags
     before the values become defaults, and returns the values to use: the recipes let
     ``accelerate launch``'s precision beat the file's there
-    (:class:`~amp_trainer.recipe_support.launcher.LauncherPrecision`).
+    (:class:`~amp_trainer.recipes.launcher.LauncherPrecision`).
     """
     argv = list(argv)
     full_help = "--help-all" in argv
