@@ -23,9 +23,14 @@ __all__ = [
     "Diagnosis",
     "DivergenceError",
     "DynamicLossScaler",
+    "ExportReport",
+    "ForwardOverflowGuard",
     "LossScaleError",
+    "NonFiniteForwardError",
+    "ParityResult",
     "SampleInputsError",
     "ScalerStats",
+    "StageResult",
     "Verdict",
     "deepspeed_fp16_config",
     "diagnose",
@@ -41,6 +46,8 @@ _WHERE = {
     "LossScaleError": "amp_trainer.scaler",
     "ScalerStats": "amp_trainer.scaler",
     "DivergenceError": "amp_trainer.forward_overflow",
+    "ForwardOverflowGuard": "amp_trainer.forward_overflow",
+    "NonFiniteForwardError": "amp_trainer.forward_overflow",
     "keep_norms_in_fp32": "amp_trainer.islands",
     "keep_in_fp32": "amp_trainer.islands",
     "AmpAccelerator": "amp_trainer.accelerate_hooks",
@@ -54,7 +61,10 @@ _WHERE = {
     "export_fp16": "amp_trainer.export",
     "load_fp16_export": "amp_trainer.export",
     "SampleInputsError": "amp_trainer.export",
+    "ExportReport": "amp_trainer.export",
+    "ParityResult": "amp_trainer.export",
     "Diagnosis": "amp_trainer.doctor",
+    "StageResult": "amp_trainer.doctor",
     "Verdict": "amp_trainer.doctor",
     "diagnose": "amp_trainer.doctor",
 }
@@ -62,9 +72,19 @@ _WHERE = {
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.accelerate_hooks import AmpAccelerator, install_scaler
     from amp_trainer.deepspeed import deepspeed_fp16_config
-    from amp_trainer.doctor import Diagnosis, Verdict, diagnose
-    from amp_trainer.export import SampleInputsError, export_fp16, load_fp16_export
-    from amp_trainer.forward_overflow import DivergenceError
+    from amp_trainer.doctor import Diagnosis, StageResult, Verdict, diagnose
+    from amp_trainer.export import (
+        ExportReport,
+        ParityResult,
+        SampleInputsError,
+        export_fp16,
+        load_fp16_export,
+    )
+    from amp_trainer.forward_overflow import (
+        DivergenceError,
+        ForwardOverflowGuard,
+        NonFiniteForwardError,
+    )
     from amp_trainer.islands import keep_in_fp32, keep_norms_in_fp32
     from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
     from amp_trainer.trainer import AmpSeq2SeqTrainer, AmpTrainer, AmpTrainerMixin
