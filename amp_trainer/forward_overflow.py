@@ -15,7 +15,7 @@ was non-finite it is a forward overflow, and the guard:
 
 1. checks the batch itself: inf/NaN in its floating inputs is the data
    (:class:`NonFiniteForwardError`);
-2. re-runs that batch under FP16 autocast with :class:`~amp_trainer.doctor.OverflowProbe` (no
+2. re-runs that batch under FP16 autocast with :class:`~amp_trainer.numerics.OverflowProbe` (no
    gradients, RNG state preserved) to name the first module whose output went non-finite from
    finite inputs, and runs it once in pure FP32: non-finite there too (with no sign of
    divergence, step 3) is the model or the data, never FP16 (:class:`NonFiniteForwardError`,

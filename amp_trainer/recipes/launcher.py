@@ -3,9 +3,10 @@
 Three places can name a recipe's precision: ``--precision`` (or ``--fp16``/``--bf16``) on the
 recipe's command line, the recipe's config file (``precision: fp16`` in the offline YAML), and
 the launcher (``accelerate launch --mixed_precision bf16``, or ``mixed_precision: bf16`` in an
-``accelerate config`` file), which exports ``ACCELERATE_MIXED_PRECISION`` to the script. The
-config file's value used to become the flag's default and win without a word, so
-``accelerate launch --mixed_precision bf16 recipes/finetune_bert.py`` trained in fp16. The rule:
+``accelerate config`` file), which exports ``ACCELERATE_MIXED_PRECISION`` to the script. Were
+the config file's value simply the flag's default, it would win without a word, and
+``accelerate launch --mixed_precision bf16 recipes/finetune_bert.py`` would train in fp16. The
+rule:
 
 1. a precision flag on the recipe's command line wins; where it differs from the launcher's
    choice, one line says so;
