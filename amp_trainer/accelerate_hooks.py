@@ -182,8 +182,9 @@ def clip_grad_norm_in_one_pass(
     """``accelerator.clip_grad_norm_`` with unscale and clip in one pass, where that is exact.
 
     Why: upstream unscales every gradient (read + write), takes the norm (read) and clips (read +
-    write); :meth:`DynamicLossScaler._clip_in_one_pass` reads the still-scaled gradients once for
-    the norm and multiplies once by ``min(1, max_norm / norm) / S``, bit-identical to that.
+    write); :meth:`DynamicLossScaler.clip_grad_norm_in_one_pass` reads the still-scaled
+    gradients once for the norm and multiplies once by ``min(1, max_norm / norm) / S``,
+    bit-identical to that.
     Returns the unscaled total norm (``inf`` on an overflow step), or ``None`` (nothing done; clip
     the usual way) unless: the accelerator's scaler is an enabled :class:`DynamicLossScaler`, the
     run is not FSDP/DeepSpeed/XLA/Megatron, exactly one optimizer is prepared, it was not unscaled
@@ -205,7 +206,7 @@ def clip_grad_norm_in_one_pass(
     }
     if len(with_grad) != len(owned) or any(id(p) not in owned for p in with_grad):
         return None
-    return scaler._clip_in_one_pass(optimizer, with_grad, max_norm, norm_type)
+    return scaler.clip_grad_norm_in_one_pass(optimizer, with_grad, max_norm, norm_type)
 
 
 class AmpAccelerator(Accelerator):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,23 +40,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_trainer.grad_unscale import (
+    GradientGroups,
+    all_zero,
+    check_and_unscale,
+    distributed,
+    group_gradients,
+    one_pass_clip_factor,
+    one_pass_is_exact,
+    reduce_found_inf,
+)
 from amp_trainer.numerics import describe_names
-
-try:  # a sharding engine's gradients (FSDP2, tensor parallel) are DTensors
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed support
-    DTensor = None  # type: ignore[assignment,misc]
+from amp_trainer.overflow_attribution import (
+    ParameterNames,
+    non_finite_parameters,
+)
+from amp_trainer.scale_policy import Decision, ScalePolicy
 
 __all__ = ["DynamicLossScaler", "LossScaleError", "ScalerStats"]
 
 logger = logging.getLogger(__name__)
 
-_ON_MIN_SCALE = ("raise", "warn", "clamp")
 _STATE_VERSION = 2
-# The floor when min_scale is not given (lowered to init_scale when that is smaller).
-_DEFAULT_MIN_SCALE = 1.0
-_F32_MAX = float(torch.finfo(torch.float32).max)
-_F32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # smallest subnormal
 
 
 class LossScaleError(FloatingPointError, RuntimeError):
@@ -93,44 +97,6 @@ class ScalerStats:
     backoffs: int
     overflow_streak: int
     last_overflow_params: tuple[str, ...]
-
-
-def _f32(value: float) -> float:
-    """Round a Python float to the nearest float32, as torch's 1-element scale tensor stores it."""
-    return struct.unpack("f", struct.pack("f", value))[0]
-
-
-def _positive_finite(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return value
-
-
-def _scale_value(name: str, value: Any) -> float:
-    """A positive finite number that stays positive and finite once stored as float32."""
-    value = _positive_finite(name, value)
-    if not 0.0 < _f32(value) < math.inf:
-        raise ValueError(
-            f"{name} must be representable in float32, where the scale is stored: between "
-            f"{_F32_TINY!r} and {_F32_MAX!r}, got {value!r}"
-        )
-    return value
-
-
-def _upper(max_scale: float | None) -> float:
-    """``max_scale`` as a number: no bound is float32's largest value (growth never hits inf)."""
-    return _F32_MAX if max_scale is None else max_scale
-
-
-def _int_at_least_one(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 class DynamicLossScaler:
@@ -199,11 +165,13 @@ class DynamicLossScaler:
     ) -> None:
         self._device_type = torch.device(device).type
         self._enabled = bool(enabled)
-        self._configure(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
+        # The grow/back-off rule and its numbers; the protocol below never touches its fields
+        # except through record() / set_scale().
+        self.policy = ScalePolicy(
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
             hysteresis=hysteresis,
             consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale,
@@ -211,7 +179,7 @@ class DynamicLossScaler:
             on_min_scale=on_min_scale,
         )
         self.process_group = process_group
-        self._param_names: dict[int, str] = {}
+        self._param_names = ParameterNames()
         # scale() calls so far, and their count when each optimizer last unscaled: gradients
         # that appear with no scale() call since then came from a plain backward (see unscale_).
         # One integer increment per scale() and one compare per unscale_(): free on clean steps.
@@ -225,79 +193,7 @@ class DynamicLossScaler:
         # host-to-device copy on the steady-state path.
         self._device_cache: dict[torch.device, tuple[float, torch.Tensor, torch.Tensor]] = {}
 
-    # ----------------------------------------------------------------------------------------
-    # configuration and validation
-    # ----------------------------------------------------------------------------------------
-    def _configure(
-        self,
-        *,
-        init_scale: float,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
-        hysteresis: int,
-        consecutive_hysteresis: bool,
-        min_scale: float | None,
-        max_scale: float | None,
-        on_min_scale: str,
-    ) -> None:
-        """Validate every knob before touching any attribute, so a bad value changes nothing.
-
-        Bounds are compared in float32, as the scale is stored: a scale clamped to
-        ``min_scale=0.7`` is the float32 0.699999988..., and must still count as inside.
-        """
-        init_scale = _scale_value("init_scale", init_scale)
-        growth_factor = _positive_finite("growth_factor", growth_factor)
-        if growth_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1.0, got {growth_factor!r}")
-        backoff_factor = _positive_finite("backoff_factor", backoff_factor)
-        if not backoff_factor < 1.0:
-            raise ValueError(
-                f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}"
-            )
-        growth_interval = _int_at_least_one("growth_interval", growth_interval)
-        hysteresis = _int_at_least_one("hysteresis", hysteresis)
-        min_is_default = min_scale is None
-        if min_scale is None:
-            # torch accepts any positive init_scale (1e-4 included); a default floor above it
-            # would refuse that. The floor is 1.0, or where the user started if lower.
-            min_scale = min(_DEFAULT_MIN_SCALE, init_scale)
-        min_scale = _scale_value("min_scale", min_scale)
-        if max_scale is not None:
-            max_scale = _scale_value("max_scale", max_scale)
-            if _f32(min_scale) > _f32(max_scale):
-                raise ValueError(
-                    f"min_scale must be <= max_scale, got min_scale={min_scale!r} > "
-                    f"max_scale={max_scale!r}"
-                )
-        if not _f32(min_scale) <= _f32(init_scale) <= _f32(_upper(max_scale)):
-            raise ValueError(
-                f"init_scale must lie in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}] "
-                f"(compared in float32), got {init_scale!r}"
-            )
-        if on_min_scale not in _ON_MIN_SCALE:
-            raise ValueError(f"on_min_scale must be one of {_ON_MIN_SCALE}, got {on_min_scale!r}")
-
-        self._init_scale = init_scale
-        self._scale = _f32(init_scale)
-        self._growth_factor = growth_factor
-        self._backoff_factor = backoff_factor
-        self._growth_interval = growth_interval
-        self._growth_tracker = 0
-        self._hysteresis = hysteresis
-        self._hysteresis_tracker = hysteresis
-        self._consecutive_hysteresis = bool(consecutive_hysteresis)
-        self._min_scale = min_scale
-        self._min_scale_is_default = min_is_default
-        self._max_scale = max_scale
-        self._on_min_scale = on_min_scale
-
     def _reset_counters(self) -> None:
-        self._steps = 0
-        self._skipped = 0
-        self._growths = 0
-        self._backoffs = 0
-        self._overflow_streak = 0
         self._warned_this_streak = False
         self._last_overflow_params: tuple[str, ...] = ()
         self._step_was_skipped = False
@@ -315,35 +211,31 @@ class DynamicLossScaler:
     def is_enabled(self) -> bool:
         return self._enabled
 
+    @property
+    def _scale(self) -> float:
+        return self.policy.scale
+
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled, like torch). Never syncs."""
-        return self._scale if self._enabled else 1.0
+        return self.policy.scale if self._enabled else 1.0
 
     def get_growth_factor(self) -> float:
-        return self._growth_factor
+        return self.policy.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        new_factor = _positive_finite("growth_factor", new_factor)
-        if new_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1.0, got {new_factor!r}")
-        self._growth_factor = new_factor
+        self.policy.set_growth_factor(new_factor)
 
     def get_backoff_factor(self) -> float:
-        return self._backoff_factor
+        return self.policy.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        new_factor = _positive_finite("backoff_factor", new_factor)
-        if not new_factor < 1.0:
-            raise ValueError(
-                f"backoff_factor must be in the open interval (0, 1), got {new_factor!r}"
-            )
-        self._backoff_factor = new_factor
+        self.policy.set_backoff_factor(new_factor)
 
     def get_growth_interval(self) -> int:
-        return self._growth_interval
+        return self.policy.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = _int_at_least_one("growth_interval", new_interval)
+        self.policy.set_growth_interval(new_interval)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -352,13 +244,14 @@ class DynamicLossScaler:
 
     @property
     def stats(self) -> ScalerStats:
+        policy = self.policy
         return ScalerStats(
             scale=self.get_scale(),
-            steps=self._steps,
-            skipped=self._skipped,
-            growths=self._growths,
-            backoffs=self._backoffs,
-            overflow_streak=self._overflow_streak,
+            steps=policy.steps,
+            skipped=policy.skipped,
+            growths=policy.growths,
+            backoffs=policy.backoffs,
+            overflow_streak=policy.overflow_streak,
             last_overflow_params=self._last_overflow_params,
         )
 
@@ -384,60 +277,8 @@ class DynamicLossScaler:
         ``process_group``, on overflow steps only), so every rank reports the same list in
         :attr:`stats` and in errors, whichever rank's shard held the inf.
         """
-        if isinstance(model_or_named_parameters, nn.Module):
-            named = model_or_named_parameters.named_parameters()
-        else:
-            named = model_or_named_parameters
-        for name, param in named:
-            if not isinstance(param, torch.Tensor):
-                raise TypeError(f"watch() expects (name, parameter) pairs, got {name!r}: {param!r}")
-            self._param_names[id(param)] = name
+        self._param_names.watch(model_or_named_parameters)
         return self
-
-    def _label(self, param: torch.Tensor, group: int, index: int) -> str:
-        name = self._param_names.get(id(param))
-        if name is not None:
-            return name
-        shape = "x".join(str(s) for s in param.shape) or "scalar"
-        return f"param_groups[{group}]['params'][{index}] (shape {shape})"
-
-    @staticmethod
-    def _grad_values(param: torch.Tensor) -> torch.Tensor:
-        grad = param.grad
-        assert grad is not None
-        return grad._values() if grad.is_sparse else grad
-
-    @staticmethod
-    def _local_values(values: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a gradient: a DTensor's local shard, else the tensor itself."""
-        if DTensor is not None and isinstance(values, DTensor):
-            return values.to_local()
-        return values
-
-    def _non_finite_params(self, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
-        """Names of the parameters whose gradients hold inf/NaN (overflow steps only).
-
-        Only this rank's values are read (a DTensor's local shard), so under a sharding engine
-        each rank names what its own shards hold; :meth:`_attribute` merges the ranks' answers.
-        """
-        located: list[tuple[torch.Tensor, str]] = []
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                if param.grad is not None:
-                    values = self._local_values(self._grad_values(param))
-                    located.append((values, self._label(param, g, i)))
-        if not located:
-            return ()
-        # One stacked check and one read-back per device, not one sync per tensor.
-        finite: dict[int, bool] = {}
-        by_device: dict[torch.device, list[int]] = defaultdict(list)
-        for index, (values, _) in enumerate(located):
-            by_device[values.device].append(index)
-        with torch.no_grad():
-            for indices in by_device.values():
-                checks = torch.stack([torch.isfinite(located[i][0]).all() for i in indices])
-                finite.update(zip(indices, checks.tolist()))
-        return tuple(label for i, (_, label) in enumerate(located) if not finite[i])
 
     # ----------------------------------------------------------------------------------------
     # the step protocol
@@ -518,33 +359,14 @@ class DynamicLossScaler:
             return
         self._unscale_groups(optimizer, state, groups)
 
-    def _gradients(
-        self, optimizer: torch.optim.Optimizer
-    ) -> tuple[dict[torch.device, dict[torch.dtype, list[torch.Tensor]]], bool]:
+    def _gradients(self, optimizer: torch.optim.Optimizer) -> tuple[GradientGroups, bool]:
         """``optimizer``'s gradients by device and dtype, and whether no :meth:`scale` produced
         them (then they must be all zero, :meth:`unscale_` says why); FP16 ones are refused."""
-        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
-        half_grads: list[str] = []
-        with torch.no_grad():
-            for g, group in enumerate(optimizer.param_groups):
-                for i, param in enumerate(group["params"]):
-                    if param.grad is None:
-                        continue
-                    if param.grad.dtype == torch.float16:
-                        half_grads.append(self._label(param, g, i))
-                        continue
-                    if param.grad.is_sparse:
-                        # Duplicate indices of a sparse grad add up on coalesce(), which can
-                        # overflow: check the values the optimizer will actually see.
-                        param.grad = param.grad.coalesce()
-                    values = self._grad_values(param)
-                    groups[values.device][values.dtype].append(values)
+        groups, half_grads = group_gradients(optimizer, self._param_names)
         never_scaled = bool(groups) and self._scale_calls == self._scale_calls_at_unscale.get(
             id(optimizer), 0
         )
-        if never_scaled and not self._all_zero(groups):
+        if never_scaled and not all_zero(groups):
             self._raise_unscaled_gradients(optimizer)
         if half_grads:
             raise ValueError(
@@ -561,18 +383,11 @@ class DynamicLossScaler:
         self,
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
-        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
+        groups: GradientGroups,
     ) -> bool:
         """Check and divide ``groups`` (from :meth:`_gradients`) in one fused pass; the verdict."""
-        with torch.no_grad():
-            found: list[torch.Tensor] = []
-            for device, per_dtype in groups.items():
-                found_inf = torch.zeros((), dtype=torch.float32, device=device)
-                inv_scale = self._device_tensors(device)[1]
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-                found.append(found_inf)
-            overflow = self._reduce_found_inf(found)
+        found = check_and_unscale(groups, lambda device: self._device_tensors(device)[1])
+        overflow = self._reduce_found_inf(found)
         self._mark_unscaled(optimizer, state, overflow)
         return overflow
 
@@ -582,51 +397,14 @@ class DynamicLossScaler:
         state["found_inf"] = overflow
         state["stage"] = _Stage.UNSCALED
         self._scale_calls_at_unscale[id(optimizer)] = self._scale_calls
-        distributed = self._distributed()
-        if overflow and (self._param_names or self._at_min_scale() or distributed):
+        is_distributed = distributed(self.process_group)
+        if overflow and (self._param_names or self.policy.at_min_scale() or is_distributed):
             # Attribution runs only here, on overflow steps: clean steps pay nothing for it.
             # Distributed, every rank attributes (the verdict is the all-reduced one, so all of
             # them get here together) and joins the gather of the names.
-            self._last_overflow_params = self._attribute(optimizer, distributed)
-
-    def _attribute(self, optimizer: torch.optim.Optimizer, distributed: bool) -> tuple[str, ...]:
-        """The non-finite parameters of every rank, the same tuple on each, in model order.
-
-        Each rank can only see its own gradient shards (or, without sharding, its own
-        gradients before they were reduced), so the per-rank answers are gathered; the union is
-        ordered as this rank's optimizer lists the parameters (names only another rank holds,
-        e.g. under pipeline parallelism, come last, in rank order).
-        """
-        local = self._non_finite_params(optimizer)
-        if not distributed:
-            return local
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(gathered, list(local), group=self.process_group)
-        merged = list(dict.fromkeys(name for names in gathered for name in names))
-        order = {
-            self._label(param, g, i): n
-            for n, (g, i, param) in enumerate(
-                (g, i, p)
-                for g, group in enumerate(optimizer.param_groups)
-                for i, p in enumerate(group["params"])
+            self._last_overflow_params = non_finite_parameters(
+                optimizer, self._param_names, self.process_group if is_distributed else False
             )
-        }
-        rank_order = {name: n for n, name in enumerate(merged)}
-        return tuple(
-            sorted(merged, key=lambda name: (order.get(name, len(order)), rank_order[name]))
-        )
-
-    def _all_zero(self, groups: Mapping[Any, Mapping[Any, list[torch.Tensor]]]) -> bool:
-        """Whether every gradient is exactly zero (this rank's shards). Reached only when no
-        scale() call preceded the gradients, so the syncs here never touch a training step."""
-        return not any(
-            bool(self._local_values(grad).any())
-            for per_dtype in groups.values()
-            for grads in per_dtype.values()
-            for grad in grads
-        )
 
     def _raise_unscaled_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """The gradients came from a backward that bypassed :meth:`scale`: refuse to divide them.
@@ -646,23 +424,7 @@ class DynamicLossScaler:
         )
 
     def _reduce_found_inf(self, found: list[torch.Tensor]) -> bool:
-        if found:
-            total = found[0]
-            for other in found[1:]:
-                total = total + other.to(total.device)
-        else:
-            # No gradients at all on this rank: it must still join the collective below.
-            total = torch.zeros((), dtype=torch.float32, device=self._fallback_device())
-        if self._distributed():
-            import torch.distributed as dist
-
-            flag = total
-            if dist.get_backend(self.process_group) == "gloo" and flag.device.type != "cpu":
-                flag = flag.cpu()
-            flag = flag.clone()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-            total = flag
-        return bool(total.item())
+        return reduce_found_inf(found, self.process_group, self._fallback_device())
 
     def _fallback_device(self) -> torch.device:
         if self._device_cache:
@@ -670,11 +432,6 @@ class DynamicLossScaler:
         if self._device_type == "cuda" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-
-    def _distributed(self) -> bool:
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            return False
-        return torch.distributed.get_world_size(self.process_group) > 1
 
     def clip_grad_norm_(
         self,
@@ -689,9 +446,8 @@ class DynamicLossScaler:
         Returns the total norm of the unscaled gradients. On an overflow step nothing is clipped
         (the step will be skipped anyway) and the returned norm is ``inf``.
 
-        When this step's gradients are still scaled, both happen in one pass where that is exact
-        (see :meth:`_clip_in_one_pass`): the gradients are read twice and written once instead
-        of read three times and written twice, with bit-identical results.
+        When this step's gradients are still scaled, both happen in one pass where that is
+        exact (:meth:`clip_grad_norm_in_one_pass`), with bit-identical results.
         """
         params = [
             p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
@@ -699,7 +455,9 @@ class DynamicLossScaler:
         if self._enabled:
             state = self._per_optimizer[id(optimizer)]
             if state["stage"] is _Stage.READY:
-                norm = self._clip_in_one_pass(optimizer, params, max_norm, norm_type, foreach)
+                norm = self.clip_grad_norm_in_one_pass(
+                    optimizer, params, max_norm, norm_type, foreach=foreach
+                )
                 if norm is not None:
                     return norm
                 self.unscale_(optimizer)
@@ -712,82 +470,58 @@ class DynamicLossScaler:
                 return torch.full((), math.inf, device=device)
         return nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
 
-    def _can_clip_in_one_pass(self, params: list[torch.Tensor], norm_type: float) -> bool:
-        """Whether :meth:`_clip_in_one_pass` gives bit for bit what unscale-then-clip gives.
-
-        The scale must be a power of two whose reciprocal is a normal float32 (dividing by it is
-        then exact), the norm one whose terms scale exactly (``|x|``, ``x*x``, ``max``: the 1-,
-        2- and inf-norms; a general p-norm goes through ``pow``, which does not), and the
-        gradients dense float32/float64 plain tensors (not DTensors, sparse or bf16 ones).
-        """
-        if norm_type not in (1.0, 2.0, math.inf):
-            return False
-        mantissa, exponent = math.frexp(self._scale)
-        if mantissa != 0.5 or not -125 <= exponent - 1 <= 126:
-            return False
-        for param in params:
-            grad = param.grad
-            if (
-                type(grad) is not torch.Tensor
-                or grad.is_sparse
-                or grad.dtype not in (torch.float32, torch.float64)
-            ):
-                return False
-        return True
-
-    def _clip_in_one_pass(
+    def clip_grad_norm_in_one_pass(
         self,
         optimizer: torch.optim.Optimizer,
         params: list[torch.Tensor],
         max_norm: float,
         norm_type: float = 2.0,
+        *,
         foreach: bool | None = None,
     ) -> torch.Tensor | None:
         """Unscale ``optimizer``'s still-scaled gradients and clip ``params``' in one pass.
 
-        Why: unscale (read + write every gradient), norm (read) and clip (read + write) is three
-        reads and two writes; the norm of the *scaled* gradients (one read) is non-finite exactly
-        when some gradient is, divided by S it is the true norm, and 1/S and the clip
-        coefficient fold into one multiply (read + write). With a power-of-two S every step of
-        that is exact, so the result is bit-identical to unscale-then-clip (and to
+        The gradients are read twice and written once instead of three reads and two writes
+        (:func:`~amp_trainer.grad_unscale.one_pass_clip_factor` says why that is exact); with a
+        power-of-two scale the result is bit-identical to unscale-then-clip (and to
         ``torch.amp.GradScaler.unscale_`` + ``clip_grad_norm_``), the returned norm included.
 
         ``params`` are the parameters with gradients, in the order the norm sums them; they
         must be ``optimizer``'s. Returns the norm (``inf`` on an overflow step, nothing
         clipped), or ``None`` without touching anything when the fold would not be exact here
-        (:meth:`_can_clip_in_one_pass`): the caller unscales and clips as usual. One
-        device-to-host read, as for :meth:`unscale_`; a non-finite scaled norm (an inf/NaN
-        gradient, or finite ones whose scaled norm overflows float32) takes the two-pass path,
-        which tells the two apart.
+        (:func:`~amp_trainer.grad_unscale.one_pass_is_exact`), or the optimizer was already
+        unscaled this step: the caller then unscales and clips as usual. One device-to-host
+        read, as for :meth:`unscale_`, all-reduced like the found-inf flag so every rank takes
+        the same path; a non-finite scaled norm takes the two-pass path, which tells an inf
+        gradient from finite ones whose scaled norm overflows.
         """
         norm_type = float(norm_type)
-        if not self._can_clip_in_one_pass(params, norm_type):
-            return None
         state = self._per_optimizer[id(optimizer)]
+        if (
+            not self._enabled
+            or state["stage"] is not _Stage.READY
+            or not one_pass_is_exact(self._scale, params, norm_type)
+        ):
+            return None
         groups, never_scaled = self._gradients(optimizer)
         if never_scaled:  # DCP's all-zero dummy step: unscale_() passes it through
             return None
+        grads = [p.grad for p in params]
+        inv_scale = self._device_tensors(grads[0].device)[1] if grads else None
+        if inv_scale is None:
+            return None
+        total_norm, factor, unusual = one_pass_clip_factor(
+            grads, inv_scale, max_norm, norm_type, foreach
+        )
+        if self._reduce_found_inf([unusual.float()]):
+            if self._unscale_groups(optimizer, state, groups):
+                return torch.full((), math.inf, device=total_norm.device)
+            return nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
+        self._mark_unscaled(optimizer, state, False)
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for grad in grads:
+            by_device[grad.device].append(grad)
         with torch.no_grad():
-            grads = [p.grad for p in params]
-            scaled_norm = nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
-            inv_scale = self._device_tensors(scaled_norm.device)[1]
-            total_norm = scaled_norm * inv_scale  # exact: a power of two
-            # As torch.nn.utils.clip_grads_with_norm_ computes it, from the same total norm.
-            coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-            factor = coef * inv_scale  # exact while it is a normal float32
-            tiny = torch.finfo(torch.float32).tiny
-            unusual = (~torch.isfinite(scaled_norm)) | (factor < tiny)
-            # The step's one sync; all-reduced like found_inf, so every rank takes the same path.
-            if self._reduce_found_inf([unusual.float()]):
-                if self._unscale_groups(optimizer, state, groups):
-                    return torch.full((), math.inf, device=scaled_norm.device)
-                return nn.utils.clip_grad_norm_(
-                    params, max_norm, norm_type=norm_type, foreach=foreach
-                )
-            self._mark_unscaled(optimizer, state, False)
-            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-            for grad in grads:
-                by_device[grad.device].append(grad)
             for device, device_grads in by_device.items():
                 torch._foreach_mul_(device_grads, factor.to(device))
         return total_norm
@@ -826,9 +560,6 @@ class DynamicLossScaler:
     # ----------------------------------------------------------------------------------------
     # the scale policy
     # ----------------------------------------------------------------------------------------
-    def _at_min_scale(self) -> bool:
-        return self._scale <= _f32(self._min_scale)
-
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Grow, back off or hold the scale after this iteration's steps; then start the next.
 
@@ -847,16 +578,7 @@ class DynamicLossScaler:
                         f"new_scale must hold one element, got shape {tuple(new_scale.shape)}"
                     )
                 new_scale = float(new_scale.item())
-            value = _scale_value("new_scale", new_scale)
-            if self._min_scale_is_default and _f32(value) < _f32(self._min_scale):
-                # Like init_scale: a scale the user sets by hand lowers the default floor.
-                self._min_scale = value
-            if not _f32(self._min_scale) <= _f32(value) <= _f32(_upper(self._max_scale)):
-                raise ValueError(
-                    f"new_scale must lie in [min_scale, max_scale] = [{self._min_scale!r}, "
-                    f"{self._max_scale!r}] (the bounds this scaler was built with), got {value!r}"
-                )
-            self._scale = _f32(value)
+            self.policy.set_scale(new_scale)
             self._per_optimizer.clear()
             self._carried = False
             return
@@ -896,50 +618,23 @@ class DynamicLossScaler:
             self._step_was_skipped = any(verdicts)
             return
         overflow = any(fresh)
-        self._steps += 1
         self._step_was_skipped = overflow
-        if overflow:
-            self._on_overflow()
-        else:
-            self._on_clean_step()
-
-    def _on_clean_step(self) -> None:
-        self._overflow_streak = 0
-        self._warned_this_streak = False
-        if self._consecutive_hysteresis:
-            self._hysteresis_tracker = self._hysteresis
-        self._growth_tracker += 1
-        if self._growth_tracker == self._growth_interval:
-            self._growth_tracker = 0
-            self._hysteresis_tracker = self._hysteresis
-            grown = _f32(self._scale * self._growth_factor)
-            if self._max_scale is not None:
-                grown = min(grown, _f32(self._max_scale))
-            # Like torch, never grow into float32's inf; at max_scale there is nothing to grow.
-            if math.isfinite(grown) and grown > self._scale:
-                self._scale = grown
-                self._growths += 1
-
-    def _on_overflow(self) -> None:
-        self._skipped += 1
-        self._overflow_streak += 1
-        self._growth_tracker = 0
-        self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)
-        if self._hysteresis_tracker > 0:
+        decision = self.policy.record(overflow)
+        if not overflow:
+            self._warned_this_streak = False
+        elif decision is Decision.TOLERATED:
             logger.debug(
                 "Overflow tolerated by hysteresis (%d more allowed) at loss scale %g",
-                self._hysteresis_tracker,
-                self._scale,
+                self.policy.hysteresis_tracker,
+                self.policy.scale,
             )
-            return
-        if self._at_min_scale():
+        elif decision is Decision.AT_MIN:
             self._overflow_at_min_scale()
-            return
-        self._scale = max(_f32(self._scale * self._backoff_factor), _f32(self._min_scale))
-        self._backoffs += 1
 
     def _overflow_at_min_scale(self) -> None:
-        if self._on_min_scale == "clamp":
+        """An overflow at ``min_scale`` with hysteresis spent: what ``on_min_scale`` says."""
+        policy = self.policy
+        if policy.on_min_scale == "clamp":
             return
         where = (
             "Parameters with non-finite gradients: "
@@ -948,14 +643,14 @@ class DynamicLossScaler:
             else "No gradient was attributed (call scaler.watch(model) to name them)."
         )
         message = (
-            f"Gradients overflowed at the minimum loss scale {self._min_scale:g} "
-            f"({self._overflow_streak} overflowing step(s) in a row). {where} Loss scaling "
+            f"Gradients overflowed at the minimum loss scale {policy.min_scale:g} "
+            f"({policy.overflow_streak} overflowing step(s) in a row). {where} Loss scaling "
             "cannot fix this: the values are inf/NaN before scaling. Next triage step: rerun the "
             "same batch in pure FP32 (`amp-trainer doctor`): if it is NaN there too, the bug is in "
             "the model, data or learning rate; if not, keep the overflowing module in FP32 or "
             "switch to bf16 (or, to let the scale go lower, pass a smaller min_scale)."
         )
-        if self._on_min_scale == "raise":
+        if policy.on_min_scale == "raise":
             raise LossScaleError(message)
         if not self._warned_this_streak:
             logger.warning("%s Skipping steps until the gradients are finite again.", message)
@@ -973,23 +668,7 @@ class DynamicLossScaler:
         if not self._enabled:
             return {}
         return {
-            "scale": self._scale,
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._growth_tracker,
-            "hysteresis": self._hysteresis,
-            "consecutive_hysteresis": self._consecutive_hysteresis,
-            "_hysteresis_tracker": self._hysteresis_tracker,
-            "min_scale": self._min_scale,
-            "min_scale_is_default": self._min_scale_is_default,
-            "max_scale": self._max_scale,
-            "on_min_scale": self._on_min_scale,
-            "steps": self._steps,
-            "skipped": self._skipped,
-            "growths": self._growths,
-            "backoffs": self._backoffs,
-            "overflow_streak": self._overflow_streak,
+            **self.policy.state_dict(),
             "last_overflow_params": list(self._last_overflow_params),
             "version": _STATE_VERSION,
         }
@@ -1009,97 +688,23 @@ class DynamicLossScaler:
                 "The source state dict is empty, possibly because it was saved from a disabled "
                 "scaler (enabled=False)."
             )
-        missing = [k for k in ("scale", "_growth_tracker") if k not in state_dict]
-        if missing:
-            raise KeyError(
-                f"scaler state dict lacks {missing}; it holds {sorted(state_dict)}. Expected the "
-                "output of DynamicLossScaler.state_dict() or torch.amp.GradScaler.state_dict()."
-            )
-
-        def get(key: str, default: Any) -> Any:
-            value = state_dict.get(key, default)
-            return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-
-        scale = get("scale", None)
-        cfg = {
-            "init_scale": scale,
-            "growth_factor": get("growth_factor", self._growth_factor),
-            "backoff_factor": get("backoff_factor", self._backoff_factor),
-            "growth_interval": get("growth_interval", self._growth_interval),
-            "hysteresis": get("hysteresis", self._hysteresis),
-            "consecutive_hysteresis": get("consecutive_hysteresis", self._consecutive_hysteresis),
-            # torch's state dicts carry no bounds: keep ours, widened to hold torch's scale.
-            "min_scale": get("min_scale", min(self._min_scale, _positive_finite("scale", scale))),
-            "max_scale": get(
-                "max_scale",
-                None
-                if self._max_scale is None
-                else max(self._max_scale, _positive_finite("scale", scale)),
-            ),
-            "on_min_scale": get("on_min_scale", self._on_min_scale),
-        }
-        counters = {
-            k: get(k, 0)
-            for k in (
-                "_growth_tracker",
-                "steps",
-                "skipped",
-                "growths",
-                "backoffs",
-                "overflow_streak",
-            )
-        }
-        hysteresis_tracker = get("_hysteresis_tracker", cfg["hysteresis"])
-        for key, value in [*counters.items(), ("_hysteresis_tracker", hysteresis_tracker)]:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"scaler state {key!r} must be an int, got {value!r}")
-            if value < 0:
-                raise ValueError(f"scaler state {key!r} must be >= 0, got {value!r}")
-        if counters["skipped"] > counters["steps"]:
-            # Every skipped step is a step: a state saying otherwise was edited or damaged.
+        version = state_dict.get("version", _STATE_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int) or version > _STATE_VERSION:
             raise ValueError(
-                f"scaler state 'skipped' must be <= 'steps' ({counters['steps']}), got "
-                f"{counters['skipped']}"
+                f"scaler state 'version' {version!r} is newer than this amp-trainer reads "
+                f"(versions up to {_STATE_VERSION}): upgrade amp-trainer to resume it"
             )
-        if hysteresis_tracker > cfg["hysteresis"]:
-            raise ValueError(
-                f"scaler state '_hysteresis_tracker' must be <= hysteresis ({cfg['hysteresis']}), "
-                f"got {hysteresis_tracker}"
-            )
-
-        min_is_default = get(
-            "min_scale_is_default", self._min_scale_is_default and "min_scale" not in state_dict
-        )
-        if not isinstance(min_is_default, bool):
-            raise TypeError(
-                f"scaler state 'min_scale_is_default' must be a bool, got {min_is_default!r}"
-            )
-
-        names = state_dict.get("last_overflow_params", [])
+        # torch's state dict may hold 1-element tensors where ours holds numbers.
+        plain = {
+            key: value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            for key, value in state_dict.items()
+        }
+        names = plain.get("last_overflow_params", [])
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
             raise TypeError(
                 f"scaler state 'last_overflow_params' must be a list of str, got {names!r}"
             )
-
-        # Validate on a scratch instance so that a bad value leaves self untouched.
-        probe = DynamicLossScaler.__new__(DynamicLossScaler)
-        probe._configure(**cfg)
-        if counters["_growth_tracker"] >= probe._growth_interval:
-            raise ValueError(
-                f"scaler state '_growth_tracker' must be < growth_interval "
-                f"({probe._growth_interval}), got {counters['_growth_tracker']}"
-            )
-
-        self._configure(**cfg)
-        self._min_scale_is_default = min_is_default
-        self._scale = _f32(float(scale))
-        self._growth_tracker = counters["_growth_tracker"]
-        self._hysteresis_tracker = hysteresis_tracker
-        self._steps = counters["steps"]
-        self._skipped = counters["skipped"]
-        self._growths = counters["growths"]
-        self._backoffs = counters["backoffs"]
-        self._overflow_streak = counters["overflow_streak"]
+        self.policy = self.policy.restored(plain)  # validates everything, raises before this
         self._last_overflow_params = tuple(names)
         self._per_optimizer.clear()
         self._carried = False
@@ -1136,7 +741,7 @@ class DynamicLossScaler:
         state["_device_cache"] = {}
         state["_per_optimizer"] = defaultdict(self._fresh_optimizer_state)
         state["process_group"] = None
-        state["_param_names"] = {}
+        state["_param_names"] = ParameterNames()
         state["_scale_calls_at_unscale"] = {}
         state["_carried"] = False
         return state
@@ -1144,9 +749,4 @@ class DynamicLossScaler:
     def __repr__(self) -> str:
         if not self._enabled:
             return f"{type(self).__name__}(enabled=False)"
-        return (
-            f"{type(self).__name__}(scale={self._scale:g}, growth_factor={self._growth_factor:g}, "
-            f"backoff_factor={self._backoff_factor:g}, growth_interval={self._growth_interval}, "
-            f"hysteresis={self._hysteresis}, min_scale={self._min_scale:g}, "
-            f"max_scale={self._max_scale!r}, on_min_scale={self._on_min_scale!r})"
-        )
+        return f"{type(self).__name__}({repr(self.policy).partition('(')[2]}"

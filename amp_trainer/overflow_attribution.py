@@ -1,0 +1,120 @@
+"""Which parameters' gradients overflowed, by name: attribution on overflow steps only.
+
+A skipped step says *that* something overflowed; the names say *where* (the seed's triage step 3:
+"report which parameters have non-finite gradients, by name"). The check costs nothing on clean
+steps: :class:`~amp_trainer.scaler.DynamicLossScaler` calls :func:`non_finite_parameters` only
+after its fused check already found an inf/NaN.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+try:  # a sharding engine's gradients (FSDP2, tensor parallel) are DTensors
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["ParameterNames", "grad_values", "local_values", "non_finite_parameters"]
+
+
+class ParameterNames:
+    """Parameter -> name, for the parameters :meth:`watch` was given (keyed by object id, so a
+    model's parameters need not be hashable or kept alive by this map)."""
+
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._names)
+
+    def watch(self, model_or_named_parameters: nn.Module | Iterable[tuple[str, Any]]) -> None:
+        """Remember the names of a module's parameters, or of ``(name, parameter)`` pairs."""
+        if isinstance(model_or_named_parameters, nn.Module):
+            named = model_or_named_parameters.named_parameters()
+        else:
+            named = model_or_named_parameters
+        for name, param in named:
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(f"watch() expects (name, parameter) pairs, got {name!r}: {param!r}")
+            self._names[id(param)] = name
+
+    def label(self, param: torch.Tensor, group: int, index: int) -> str:
+        """``param``'s name, or its place in the optimizer and its shape when not watched."""
+        name = self._names.get(id(param))
+        if name is not None:
+            return name
+        shape = "x".join(str(s) for s in param.shape) or "scalar"
+        return f"param_groups[{group}]['params'][{index}] (shape {shape})"
+
+
+def grad_values(param: torch.Tensor) -> torch.Tensor:
+    """The values of ``param.grad`` the optimizer reads (a sparse gradient's ``_values()``)."""
+    grad = param.grad
+    assert grad is not None
+    return grad._values() if grad.is_sparse else grad
+
+
+def local_values(values: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: a DTensor's local shard, else the tensor itself."""
+    if DTensor is not None and isinstance(values, DTensor):
+        return values.to_local()
+    return values
+
+
+def _local_non_finite(optimizer: torch.optim.Optimizer, names: ParameterNames) -> tuple[str, ...]:
+    """Names of the parameters whose gradients hold inf/NaN, from this rank's values only (a
+    DTensor's local shard): one stacked check and one read-back per device."""
+    located: list[tuple[torch.Tensor, str]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if param.grad is not None:
+                located.append((local_values(grad_values(param)), names.label(param, g, i)))
+    if not located:
+        return ()
+    finite: dict[int, bool] = {}
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    for index, (values, _) in enumerate(located):
+        by_device[values.device].append(index)
+    with torch.no_grad():
+        for indices in by_device.values():
+            checks = torch.stack([torch.isfinite(located[i][0]).all() for i in indices])
+            finite.update(zip(indices, checks.tolist()))
+    return tuple(label for i, (_, label) in enumerate(located) if not finite[i])
+
+
+def non_finite_parameters(
+    optimizer: torch.optim.Optimizer, names: ParameterNames, process_group: Any = False
+) -> tuple[str, ...]:
+    """The parameters with non-finite gradients, the same tuple on every rank, in model order.
+
+    ``process_group=False``: this process alone. Otherwise (``None`` is the world) each rank
+    can only see its own gradient shards (or, without sharding, its own gradients before they
+    were reduced), so the per-rank answers are gathered (``all_gather_object``, a collective:
+    every rank must call this on the same step); the union is ordered as this rank's optimizer
+    lists the parameters (names only another rank holds, e.g. under pipeline parallelism, come
+    last, in rank order).
+    """
+    local = _local_non_finite(optimizer, names)
+    if process_group is False:
+        return local
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, list(local), group=process_group)
+    merged = list(dict.fromkeys(name for names_ in gathered for name in names_))
+    order = {
+        names.label(p, g, i): n
+        for n, (g, i, p) in enumerate(
+            (g, i, p)
+            for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+        )
+    }
+    rank_order = {name: n for n, name in enumerate(merged)}
+    return tuple(sorted(merged, key=lambda name: (order.get(name, len(order)), rank_order[name])))
