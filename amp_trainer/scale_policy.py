@@ -19,7 +19,11 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-__all__ = ["Decision", "ScalePolicy"]
+__all__ = ["UNDERFLOW_TARGET", "Decision", "ScalePolicy"]
+
+#: The share of a gradient flushed to zero that counts as "about none" (0.1 %): the two-sided
+#: rule grows above it, and the underflow meter's fixing scale aims below it.
+UNDERFLOW_TARGET = 1e-3
 
 ON_MIN_SCALE = ("raise", "warn", "clamp")
 # The floor when min_scale is not given (lowered to init_scale when that is smaller).
@@ -36,8 +40,17 @@ _CONFIG_KEYS = (
     "min_scale",
     "max_scale",
     "on_min_scale",
+    "grow_on_underflow",
 )
-_COUNTER_KEYS = ("_growth_tracker", "steps", "skipped", "growths", "backoffs", "overflow_streak")
+_COUNTER_KEYS = (
+    "_growth_tracker",
+    "steps",
+    "skipped",
+    "growths",
+    "backoffs",
+    "overflow_streak",
+    "underflow_growths",
+)
 
 
 def f32(value: float) -> float:
@@ -125,7 +138,10 @@ class ScalePolicy:
         min_scale: float | None = None,
         max_scale: float | None = None,
         on_min_scale: str = "raise",
+        grow_on_underflow: bool = False,
     ) -> None:
+        if not isinstance(grow_on_underflow, bool):
+            raise TypeError(f"grow_on_underflow must be a bool, got {grow_on_underflow!r}")
         init_scale = scale_value("init_scale", init_scale)
         growth_factor = _growth_factor(growth_factor)
         backoff_factor = _backoff_factor(backoff_factor)
@@ -164,6 +180,11 @@ class ScalePolicy:
         self.min_scale_is_default = min_is_default
         self.max_scale = max_scale
         self.on_min_scale = on_min_scale
+        self.grow_on_underflow = grow_on_underflow
+        # The lowest scale that overflowed soon after an underflow growth: growth for
+        # underflow stays below it, so underflow is never traded for a run of overflows.
+        self.underflow_ceiling: float | None = None
+        self._underflow_grown_at: int | None = None  # ``steps`` at the last underflow growth
         self.growth_tracker = 0
         self.hysteresis_tracker = hysteresis
         self.reset_counters()
@@ -175,6 +196,7 @@ class ScalePolicy:
         self.growths = 0
         self.backoffs = 0
         self.overflow_streak = 0
+        self.underflow_growths = 0
 
     # ----------------------------------------------------------------------------------------
     # the rule
@@ -194,6 +216,12 @@ class ScalePolicy:
             return self._on_clean_step()
         self.skipped += 1
         self.overflow_streak += 1
+        grown = self._underflow_grown_at
+        if grown is not None and self.steps - grown <= self.growth_interval:
+            # This scale came from underflow growth and overflowed: never grow back to it.
+            ceiling = self.underflow_ceiling
+            self.underflow_ceiling = self.scale if ceiling is None else min(ceiling, self.scale)
+            self._underflow_grown_at = None
         self.growth_tracker = 0
         self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
         if self.hysteresis_tracker > 0:
@@ -222,6 +250,41 @@ class ScalePolicy:
         self.scale = grown
         self.growths += 1
         return Decision.GREW
+
+    @property
+    def grew_on_underflow_lately(self) -> bool:
+        """Whether the two-sided rule grew the scale during the last or the current step."""
+        grown = self._underflow_grown_at
+        return grown is not None and self.steps - grown <= 1
+
+    def on_underflow(
+        self, underflow: float | None, fixing_scale: float | None, headroom: float | None
+    ) -> bool:
+        """The two-sided rule (``grow_on_underflow``): grow now, not after ``growth_interval``
+        clean steps, when a share above :data:`UNDERFLOW_TARGET` of the
+        gradient is flushed to zero and the headroom leaves room. Returns whether it grew.
+
+        The new scale is the meter's ``fixing_scale``, kept one doubling inside the headroom,
+        below ``max_scale`` and below any scale that overflowed after an earlier underflow
+        growth. Off (the default), the rule is torch's, step for step.
+        """
+        if not self.grow_on_underflow or underflow is None or fixing_scale is None:
+            return False
+        if underflow <= UNDERFLOW_TARGET:
+            return False
+        target = fixing_scale
+        if headroom is not None:
+            target = min(target, self.scale * 2.0 ** (math.floor(headroom) - 1))
+        if self.underflow_ceiling is not None:
+            target = min(target, self.underflow_ceiling / self.growth_factor)
+        target = f32(min(target, self.upper))
+        if not (math.isfinite(target) and target > self.scale):
+            return False
+        self.scale = target
+        self.growth_tracker = 0
+        self.underflow_growths += 1
+        self._underflow_grown_at = self.steps
+        return True
 
     # ----------------------------------------------------------------------------------------
     # setting knobs by hand (torch's set_* and update(new_scale))
@@ -271,6 +334,9 @@ class ScalePolicy:
             "growths": self.growths,
             "backoffs": self.backoffs,
             "overflow_streak": self.overflow_streak,
+            "grow_on_underflow": self.grow_on_underflow,
+            "underflow_ceiling": self.underflow_ceiling,
+            "underflow_growths": self.underflow_growths,
         }
 
     def restored(self, state: Mapping[str, Any]) -> ScalePolicy:
@@ -333,6 +399,10 @@ class ScalePolicy:
         policy.growths = counters["growths"]
         policy.backoffs = counters["backoffs"]
         policy.overflow_streak = counters["overflow_streak"]
+        policy.underflow_growths = counters["underflow_growths"]
+        ceiling = state.get("underflow_ceiling")
+        if ceiling is not None:
+            policy.underflow_ceiling = scale_value("underflow_ceiling", ceiling)
         return policy
 
     def __repr__(self) -> str:
@@ -340,5 +410,6 @@ class ScalePolicy:
             f"{type(self).__name__}(scale={self.scale:g}, growth_factor={self.growth_factor:g}, "
             f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, "
-            f"max_scale={self.max_scale!r}, on_min_scale={self.on_min_scale!r})"
+            f"max_scale={self.max_scale!r}, on_min_scale={self.on_min_scale!r}"
+            + (", grow_on_underflow=True)" if self.grow_on_underflow else ")")
         )

@@ -33,7 +33,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -56,6 +56,7 @@ from amp_trainer.overflow_attribution import (
     non_finite_parameters,
 )
 from amp_trainer.scale_policy import Decision, ScalePolicy
+from amp_trainer.underflow import UnderflowReading, measure_underflow, setup_pitfall
 
 __all__ = ["DynamicLossScaler", "LossScaleError", "ScalerStats"]
 
@@ -87,7 +88,10 @@ class ScalerStats:
     those whose gradients were non-finite, ``overflow_streak`` the current run of consecutive
     overflowing steps. ``last_overflow_params`` names the parameters with non-finite gradients on
     the most recent overflow step (names when :meth:`~DynamicLossScaler.watch` was called,
-    positional labels otherwise; empty when nothing was attributed).
+    positional labels otherwise; empty when nothing was attributed). ``grad_underflow`` (0..1)
+    and ``grad_headroom`` are the last :meth:`~DynamicLossScaler.check_underflow` reading's
+    share flushed to zero and doublings left (``None`` before any), ``underflow_by_param`` its
+    share per parameter, ``underflow_growths`` the growths the two-sided rule made.
     """
 
     scale: float
@@ -97,6 +101,10 @@ class ScalerStats:
     backoffs: int
     overflow_streak: int
     last_overflow_params: tuple[str, ...]
+    grad_underflow: float | None = None
+    grad_headroom: float | None = None
+    underflow_growths: int = 0
+    underflow_by_param: Mapping[str, float] = field(default_factory=dict)
 
 
 class DynamicLossScaler:
@@ -145,6 +153,10 @@ class DynamicLossScaler:
         process_group: when ``torch.distributed`` is initialised with more than one rank, the
             found-inf flag is all-reduced (MAX) over this group (default: the world) so that every
             rank skips the same steps and keeps the same scale.
+        grow_on_underflow: the two-sided rule: when :meth:`check_underflow` finds more than
+            0.1 % of the gradient flushed to zero and the headroom allows, grow at once to the
+            scale that fixes it (one doubling inside the headroom, never back to a scale that
+            overflowed after such a growth). ``False`` (default): torch's rule, step for step.
     """
 
     def __init__(
@@ -162,6 +174,7 @@ class DynamicLossScaler:
         max_scale: float | None = None,
         on_min_scale: str = "raise",
         process_group: Any = None,
+        grow_on_underflow: bool = False,
     ) -> None:
         self._device_type = torch.device(device).type
         self._enabled = bool(enabled)
@@ -177,8 +190,12 @@ class DynamicLossScaler:
             min_scale=min_scale,
             max_scale=max_scale,
             on_min_scale=on_min_scale,
+            grow_on_underflow=grow_on_underflow,
         )
         self.process_group = process_group
+        self._underflow: UnderflowReading | None = None
+        self._underflow_request: Any = None  # parameters to measure at the next scale() call
+        self._pitfalls_said: set[str] = set()
         self._param_names = ParameterNames()
         # scale() calls so far, and their count when each optimizer last unscaled: gradients
         # that appear with no scale() call since then came from a plain backward (see unscale_).
@@ -253,7 +270,62 @@ class DynamicLossScaler:
             backoffs=policy.backoffs,
             overflow_streak=policy.overflow_streak,
             last_overflow_params=self._last_overflow_params,
+            grad_underflow=None if self._underflow is None else self._underflow.underflow,
+            grad_headroom=None if self._underflow is None else self._underflow.headroom,
+            underflow_growths=policy.underflow_growths,
+            underflow_by_param=dict(self._underflow.by_param) if self._underflow else {},
         )
+
+    @property
+    def last_underflow(self) -> UnderflowReading | None:
+        """The last :meth:`check_underflow` reading, whole (``None`` before any)."""
+        return self._underflow
+
+    def check_underflow(
+        self, loss: torch.Tensor, params: nn.Module | Iterable[Any]
+    ) -> UnderflowReading:
+        """Measure how much of this step's gradient FP16 flushes to zero at the current scale.
+
+        Call it with the step's (unscaled) loss *before* its backward, on the steps you want
+        sampled; the backward then runs as usual::
+
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(**batch).loss
+            if step % 500 == 0:
+                reading = scaler.check_underflow(loss, model)   # .underflow, .headroom
+            scaler.scale(loss).backward()
+
+        Two extra backward passes on the kept graph (:func:`amp_trainer.underflow.measure_underflow`
+        says what is compared); no gradient, RNG stream, buffer or scale is changed, except by
+        ``grow_on_underflow=True``, which may grow the scale at once. The figures go into
+        :attr:`stats`. Disabled (``enabled=False``), it measures at scale 1: FP16 compute with no
+        loss scaling. Under several processes each rank measures its own loss; keep the model
+        out of DDP's gradient hooks (``with model.no_sync():``) as no gradient is accumulated.
+        """
+        reading = measure_underflow(loss, params, self.get_scale())
+        self._underflow = reading
+        self._say_pitfalls(reading)
+        if self._enabled:
+            self.policy.on_underflow(reading.underflow, reading.fixing_scale, reading.headroom)
+        return reading
+
+    def request_underflow_check(self, params: nn.Module | Iterable[Any]) -> None:
+        """Measure :meth:`check_underflow` on the next :meth:`scale` call's loss (for callers
+        that do not hold the loss, such as a Trainer callback: Accelerate's ``backward`` hands
+        the step's exact loss, gradient-accumulation division included, to ``scale``)."""
+        self._underflow_request = params
+
+    @property
+    def underflow_recheck_due(self) -> bool:
+        """Whether the last reading grew the scale (``grow_on_underflow``): measure again soon."""
+        return self.policy.grew_on_underflow_lately
+
+    def _say_pitfalls(self, reading: UnderflowReading) -> None:
+        """The seed's two setup mistakes, said once each per scaler, where the meter shows them."""
+        found = setup_pitfall(reading, self._enabled)
+        if found is not None and found[0] not in self._pitfalls_said:
+            self._pitfalls_said.add(found[0])
+            logger.warning("%s", found[1])
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool | None:
         """This iteration's overflow verdict for ``optimizer``; ``None`` before :meth:`unscale_`."""
@@ -305,6 +377,9 @@ class DynamicLossScaler:
         self._scale_calls += 1
         if self._carried:
             self._drop_carried()
+        request, self._underflow_request = self._underflow_request, None
+        if request is not None and isinstance(outputs, torch.Tensor) and outputs.requires_grad:
+            self.check_underflow(outputs, request)
         if isinstance(outputs, torch.Tensor):
             return outputs * self._device_tensors(outputs.device)[0]
         if isinstance(outputs, (list, tuple)):

@@ -201,6 +201,20 @@ class _LossScaleMonitor(TrainerCallback):
         self._scale_before_step = 1.0
         self._skips_in_a_row = 0
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        """Ask the scaler to measure underflow on this step's first loss, every
+        ``loss_scale_underflow_check_interval`` steps (the first included) and right after the
+        two-sided rule grew the scale."""
+        trainer, scaler = self._trainer, self._trainer.loss_scaler
+        interval = getattr(args, "loss_scale_underflow_check_interval", 0)
+        if scaler is None or not interval or trainer.is_fsdp_enabled:
+            return  # FSDP: a second backward would run its reduce-scatter hooks
+        # Counted over the whole run (attempts where the state counts them), so a resumed run
+        # checks the very steps the uninterrupted one does.
+        done = getattr(state, "optimizer_step_attempts", None) or state.global_step
+        if done % interval == 0 or scaler.underflow_recheck_due:
+            scaler.request_underflow_check(trainer.model)
+
     def on_train_begin(self, args, state, control, **kwargs):
         self._skips_in_a_row = 0
         trainer = self._trainer
@@ -323,6 +337,7 @@ class AmpTrainerMixin(Trainer):
         self.jit_checkpoint: str | None = None
         self._checkpoints = CheckpointKeeper(self)
         self._last_step_skipped = False
+        self._underflow_logged: Any = None
         self._forward_overflow: ForwardOverflowGuard | None = None
         super().__init__(*args, **kwargs)
         self._place_loss_scale_monitor()
@@ -502,6 +517,13 @@ class AmpTrainerMixin(Trainer):
             logs["loss_scale"] = self.loss_scaler.get_scale()
             logs["skipped_steps"] = self.loss_scaler.stats.skipped
             logs["step_skipped"] = int(self._last_step_skipped)
+            reading = self.loss_scaler.last_underflow
+            if reading is not None and reading is not self._underflow_logged:
+                self._underflow_logged = reading  # each measurement logged once, when it is new
+                if reading.underflow is not None:
+                    logs["grad_underflow"] = reading.underflow
+                if reading.headroom is not None:
+                    logs["grad_headroom"] = reading.headroom
             if self._forward_overflow is not None:
                 logs["fp32_islands_added"] = len(self._forward_overflow.islands)
         super().log(logs, start_time)

@@ -50,6 +50,7 @@ LOSS_SCALER_FIELDS: Mapping[str, str] = MappingProxyType(
         "loss_scale_min": "min_scale",
         "loss_scale_max": "max_scale",
         "on_min_loss_scale": "on_min_scale",
+        "loss_scale_grow_on_underflow": "grow_on_underflow",
     }
 )
 
@@ -108,6 +109,23 @@ class AmpTrainingArguments(TrainingArguments):
         metadata={
             "help": "Back off on the N-th overflow; N-1 overflows are tolerated (the step is still "
             "skipped). 1 is torch.amp.GradScaler's behaviour."
+        },
+    )
+    loss_scale_underflow_check_interval: int = field(
+        default=500,
+        metadata={
+            "help": "fp16: every N optimizer steps (and on the first), measure the share of the "
+            "gradient FP16 flushes to zero at the current loss scale and the doublings of scale "
+            "left (log keys grad_underflow, grad_headroom): two extra backward passes on that "
+            "step. 0 turns the meter off."
+        },
+    )
+    loss_scale_grow_on_underflow: bool = field(
+        default=False,
+        metadata={
+            "help": "fp16: when the underflow meter finds more than 0.1% of the gradient flushed "
+            "and the headroom allows, grow the loss scale at once to the scale that fixes it "
+            "(checking again on the next step) instead of after growth_interval clean steps."
         },
     )
     max_consecutive_skipped_steps: int = field(
@@ -208,6 +226,12 @@ class AmpTrainingArguments(TrainingArguments):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(
                 f"max_consecutive_skipped_steps must be an int >= 0 (0: no limit), got {limit!r}"
+            )
+        interval = self.loss_scale_underflow_check_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(
+                "loss_scale_underflow_check_interval must be an int >= 0 (0: no checks), got "
+                f"{interval!r}"
             )
 
     def _resolve_precision(self) -> str:

@@ -154,6 +154,8 @@ def test_arguments_parse_from_cli_flags(tmp_path):
             "--loss_scale_hysteresis", "2",
             "--on_min_loss_scale", "warn",
             "--keep_norms_fp32", "false",
+            "--loss_scale_grow_on_underflow", "true",
+            "--loss_scale_underflow_check_interval", "50",
         ]
     )  # fmt: skip
 
@@ -168,7 +170,9 @@ def test_arguments_parse_from_cli_flags(tmp_path):
         "min_scale": None,
         "max_scale": None,
         "on_min_scale": "warn",
+        "grow_on_underflow": True,
     }
+    assert args.loss_scale_underflow_check_interval == 50
 
 
 def test_arguments_parse_from_yaml(tmp_path):

@@ -1,0 +1,271 @@
+"""The underflow meter: how much of a step's gradient FP16 flushes to zero at the current scale.
+
+Overflow announces itself (inf/NaN, a skipped step); underflow does not: a gradient element below
+FP16's smallest subnormal (2**-24, about 6e-8) after scaling becomes 0 and the step goes on, so
+"the loss is a flat line" while nothing looks wrong. Counting zeros is no meter: a tiny BERT has
+over half its gradient exactly zero at any scale (unused embedding rows), legitimately.
+
+What is measured, on the step's own loss and graph (nothing is re-run forward):
+
+1. ``autograd.grad(loss * S)``: the gradient the step's backward computes at the current scale S;
+2. ``autograd.grad(loss * S_ref)`` with ``S_ref = S * 2**k`` as high as the headroom allows
+   (halved if it overflows): the counterfactual, the same backward at a much higher scale;
+3. an element is *flushed* when it is nonzero at ``S_ref`` and exactly zero at S.
+   ``underflow`` = flushed / nonzero-at-``S_ref``. Legitimate zeros are zero at both scales and
+   count in neither. Why a higher scale rather than an FP32 backward: it is what loss scaling can
+   fix, on the very same FP16 graph (same autocast casts, same dropout mask), with no second
+   forward; an element too small for FP16 at every usable scale is FP16's range, not the scale's
+   (the doctor says bf16 then).
+
+Both backward passes keep the graph (``retain_graph=True``) and write no ``.grad``: the real
+backward that follows is untouched, bit for bit, and no RNG stream, buffer or optimizer state is
+read or written. The cost is two backward passes on the steps that check, and one gradient-sized
+copy at a time in memory.
+
+``headroom``: doublings of S left before the largest scaled gradient that went through FP16
+overflows 65504: ``log2(65504 / max|S * g|)`` over the parameters whose gradients hold only FP16
+values (an autocast matmul's weight gradient); FP32-computed gradients (norms kept in FP32,
+embeddings) cannot overflow FP16 and do not count. Activation gradients are not seen, so when
+the reference run at ``S_ref`` overflows, the headroom is capped below it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from amp_trainer.numerics import FP16_MAX
+from amp_trainer.scale_policy import UNDERFLOW_TARGET
+
+__all__ = ["UnderflowReading", "measure_underflow", "setup_pitfall"]
+
+_SMALLEST_SUBNORMAL_EXP = -24  # 2**-24, FP16's smallest subnormal
+_MAX_REFERENCE_DOUBLINGS = 40
+_REFERENCE_TRIES = 4
+
+
+@dataclass(frozen=True)
+class UnderflowReading:
+    """One measurement of the step's gradient against FP16's lower end.
+
+    Attributes:
+        scale: the loss scale measured at (the one the step runs with).
+        underflow: share (0..1) of the gradient elements nonzero at ``reference_scale`` that are
+            exactly zero at ``scale``; ``None`` when no higher scale could be compared (the
+            gradient overflows at ``scale`` or just above it: then nothing is flushed that a
+            scale could save).
+        headroom: doublings of ``scale`` left before the largest FP16-valued gradient overflows
+            (can be below 0 when one already did); ``None`` when no gradient went through FP16.
+        reference_scale: the higher scale the step was compared with (``None`` if none).
+        flushed: how many elements were flushed; ``nonzero``: how many were nonzero at
+            ``reference_scale``.
+        fixing_scale: the smallest power of two at which at most :data:`UNDERFLOW_TARGET` of
+            those elements would be flushed, never above what the headroom allows; ``None`` if
+            not measured.
+        fixable: whether ``fixing_scale`` reaches that target within the headroom (``False``:
+            FP16's range cannot hold both the smallest and the largest gradients; bf16 can).
+        fp16_gradients: whether any gradient holds FP16 values: ``False`` means no FP16 ran in
+            the backward, so loss scaling is pure cost.
+        by_param: parameter name -> its share flushed (parameters with a nonzero reference).
+    """
+
+    scale: float
+    underflow: float | None
+    headroom: float | None
+    reference_scale: float | None = None
+    flushed: int = 0
+    nonzero: int = 0
+    fixing_scale: float | None = None
+    fixable: bool = True
+    fp16_gradients: bool = True
+    by_param: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def _named(params: nn.Module | Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, nn.Module):
+        named = list(params.named_parameters())
+    else:
+        named = []
+        for index, item in enumerate(params):
+            if isinstance(item, tuple):
+                named.append((str(item[0]), item[1]))
+            else:
+                named.append((f"params[{index}]", item))
+    return [(name, p) for name, p in named if isinstance(p, torch.Tensor) and p.requires_grad]
+
+
+def _grads(loss: torch.Tensor, params: Sequence[torch.Tensor], scale: float) -> list[Any]:
+    """The gradient of ``loss * scale`` (as the scaler multiplies: by a float32 tensor)."""
+    factor = torch.full((), scale, dtype=torch.float32, device=loss.device)
+    return list(torch.autograd.grad(loss * factor, params, retain_graph=True, allow_unused=True))
+
+
+def _finite(grads: Sequence[Any]) -> bool:
+    checks = [torch.isfinite(g).all() for g in grads if g is not None and g.numel()]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
+def _fp16_values(grad: torch.Tensor) -> int:
+    """How many nonzero values ``grad`` holds if every one of them is an FP16 value (the mark of
+    a gradient that went through an FP16 op, such as autocast's weight cast), else -1. A
+    gradient computed in FP32 essentially never is, once it holds a few nonzero values."""
+    nonzero = grad[grad != 0]
+    if not bool((nonzero == nonzero.half().float()).all()):
+        return -1
+    return nonzero.numel()
+
+
+# A gradient counts as proof that FP16 ran once this many of its values are all FP16 values.
+_FP16_EVIDENCE = 16
+
+
+def measure_underflow(
+    loss: torch.Tensor,
+    params: nn.Module | Iterable[Any],
+    scale: float,
+) -> UnderflowReading:
+    """Measure how much of ``loss``'s gradient FP16 flushes to zero at ``scale``.
+
+    ``loss`` is the step's loss *before* its backward (its graph is kept; call this, then run
+    the backward as usual); ``params`` a model or its parameters (``(name, parameter)`` pairs
+    name them). Two backward passes, no forward; no ``.grad``, RNG or buffer is touched. See the
+    module docstring for what is compared.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        raise ValueError(
+            "measure_underflow needs the step's loss with its autograd graph (before backward); "
+            f"got {type(loss).__name__}"
+            + (" without a grad_fn" if isinstance(loss, torch.Tensor) else "")
+        )
+    named = _named(params)
+    if not named:
+        raise ValueError("measure_underflow: no parameter requires grad")
+    tensors = [p for _, p in named]
+    at_scale = _grads(loss, tensors, scale)
+    with torch.no_grad():
+        zero_at_scale: list[torch.Tensor | None] = []
+        largest = 0.0
+        fp16_seen = False
+        for grad in at_scale:
+            if grad is None:
+                zero_at_scale.append(None)
+                continue
+            values = _fp16_values(grad)
+            if values > 0:
+                largest = max(largest, float(grad.abs().max()))
+                fp16_seen = fp16_seen or values >= _FP16_EVIDENCE
+            zero_at_scale.append(grad == 0)
+        finite = _finite(at_scale)
+    del at_scale
+    headroom = math.log2(FP16_MAX / largest) if fp16_seen and largest > 0 else None
+    if not finite:
+        return UnderflowReading(scale, None, min(headroom or 0.0, 0.0), fp16_gradients=fp16_seen)
+
+    # The reference scale: as high as the gradients allow, found by bisection on the number of
+    # doublings (each try is one backward). lo is known finite (the step's own scale), hi not.
+    lo, hi = 0, _MAX_REFERENCE_DOUBLINGS + 1
+    if headroom is not None:
+        hi = max(1, min(hi, math.floor(headroom) + 1))
+    hi = min(hi, math.floor(math.log2(3.0e38 / scale)) + 1)
+    reference, doublings = None, 0
+    for _ in range(_REFERENCE_TRIES):
+        if hi - lo <= 1:
+            break
+        trial = hi - 1 if reference is None and lo == 0 else (lo + hi) // 2
+        candidate = _grads(loss, tensors, scale * 2.0**trial)
+        if _finite(candidate):
+            reference, doublings, lo = candidate, trial, trial
+        else:
+            # The reference overflowed where the parameter gradients did not: an activation
+            # gradient is larger, and the true headroom is below this.
+            hi = trial
+            headroom = trial - 1 if headroom is None else min(headroom, trial - 1)
+        del candidate
+    if reference is None:
+        return UnderflowReading(scale, None, headroom, fp16_gradients=fp16_seen)
+
+    reference_scale = scale * 2.0**doublings
+    flushed_total = nonzero_total = 0
+    by_param: dict[str, float] = {}
+    # log2 magnitudes of the nonzero reference elements (unscaled), for the fixing scale.
+    exponents = torch.zeros(400, dtype=torch.float64)
+    with torch.no_grad():
+        for (name, _), ref, zero in zip(named, reference, zero_at_scale):
+            if ref is None:
+                continue
+            nonzero = ref != 0
+            count = int(nonzero.sum())
+            if not count:
+                continue
+            flushed = int((nonzero & zero).sum()) if zero is not None else count
+            flushed_total += flushed
+            nonzero_total += count
+            by_param[name] = flushed / count
+            true = ref[nonzero].double().abs() / reference_scale
+            _, exp = torch.frexp(true)
+            exponents += torch.bincount((exp.flatten() + 200).clamp(0, 399).cpu(), minlength=400)
+    underflow = flushed_total / nonzero_total if nonzero_total else 0.0
+    fixing, fixable = _fixing_scale(exponents, scale, headroom)
+    return UnderflowReading(
+        scale=scale,
+        underflow=underflow,
+        headroom=headroom,
+        reference_scale=reference_scale,
+        flushed=flushed_total,
+        nonzero=nonzero_total,
+        fixing_scale=fixing,
+        fixable=fixable,
+        fp16_gradients=fp16_seen,
+        by_param=MappingProxyType(by_param),
+    )
+
+
+def _fixing_scale(
+    exponents: torch.Tensor, scale: float, headroom: float | None
+) -> tuple[float | None, bool]:
+    """The smallest power of two S' at which at most :data:`UNDERFLOW_TARGET` of the elements
+    would be flushed, capped at ``scale * 2**floor(headroom)``; and whether the cap let it."""
+    total = float(exponents.sum())
+    if total == 0:
+        return None, True
+    cumulative = torch.cumsum(exponents, 0) / total
+    # The element magnitudes below bin e (frexp exponent e: |x| in [2**(e-1), 2**e)) that may be
+    # flushed are at most the target share; an element of bin e survives S' = 2**(-23 - e).
+    allowed = int(torch.nonzero(cumulative > UNDERFLOW_TARGET)[0]) - 200
+    wanted = 2.0 ** (_SMALLEST_SUBNORMAL_EXP + 1 - allowed)
+    wanted = max(wanted, 2.0 ** math.floor(math.log2(scale))) if scale > 0 else wanted
+    if headroom is None:
+        return wanted, True
+    cap = 2.0 ** math.floor(math.log2(scale) + math.floor(headroom))
+    return (wanted, True) if wanted <= cap else (cap, False)
+
+
+def setup_pitfall(reading: UnderflowReading, scaling: bool) -> tuple[str, str] | None:
+    """The seed's two setup mistakes, as ``(key, message)``, when ``reading`` shows one.
+
+    ``"no-fp16"``: loss scaling on a computation with no FP16 in it (no autocast, FP32 weights):
+    pure cost. ``"no-scaling"``: FP16 compute with no loss scaling (``scaling`` false) while part
+    of the gradient is flushed: "fake training". An overflowing step (``underflow is None``)
+    shows neither.
+    """
+    if reading.underflow is None:
+        return None
+    if scaling and not reading.fp16_gradients:
+        return "no-fp16", (
+            "Loss scaling is on but no gradient went through FP16 (no autocast?): with FP32 "
+            "weights and FP32 compute the scaler only costs time. Run the forward under "
+            "torch.autocast(dtype=torch.float16), or turn the scaler off."
+        )
+    if not scaling and reading.fp16_gradients and reading.underflow > 0:
+        return "no-scaling", (
+            f"FP16 compute with no loss scaling: {100 * reading.underflow:.1f}% of the gradient "
+            "is flushed to zero (the loss may go down while those parameters never move: 'fake "
+            "training'). Enable the loss scaler (DynamicLossScaler(enabled=True))."
+        )
+    return None
