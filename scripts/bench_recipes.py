@@ -159,7 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=list(RECIPES))
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "cpu-recipes.md")
+    parser.add_argument(
+        "--output", type=Path, default=REPO / "benchmarks" / "recipes" / "cpu-recipes.md"
+    )
     args = parser.parse_args(argv)
     info = describe_machine()
     records = []

@@ -172,11 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--results",
         type=Path,
-        default=REPO / "benchmarks" / "fidelity",
+        default=REPO / "benchmarks" / "fidelity" / "runs",
         help="one JSON per run; existing ones are not rerun",
     )
     parser.add_argument(
-        "--summary", type=Path, default=REPO / "benchmarks" / "fidelity.md", help="Markdown table"
+        "--summary",
+        type=Path,
+        default=REPO / "benchmarks" / "fidelity" / "fidelity.md",
+        help="Markdown table",
     )
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS; 0: torch's own")
     parser.add_argument("--summary-only", action="store_true", help="no runs, table only")
