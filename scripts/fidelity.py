@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--results",
         type=Path,
-        default=REPO / "benchmarks" / "fidelity" / "runs",
+        default=REPO / "benchmarks" / "fidelity" / "results",
         help="one JSON per run; existing ones are not rerun",
     )
     parser.add_argument(
