@@ -43,9 +43,9 @@ for every mode) and ``torch.cuda.max_memory_allocated`` on a GPU.
 
 Usage::
 
-    python scripts/bench_trainer.py                              # CPU, ~5 min on 2 cores
-    python scripts/bench_trainer.py --steps 4 --repeats 1 --model tiny --modes amp-fp16,stock-fp16
-    python scripts/bench_trainer.py --device cuda --model bert-base --batch-size 32 --seq-len 128
+    python -m benchmarks run trainer                             # CPU, ~5 min on 2 cores
+    python -m benchmarks run trainer --quick --modes amp-fp16,stock-fp16     # smoke run
+    python -m benchmarks run trainer --device cuda --model bert-base --batch-size 32 --seq-len 128
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from machine import describe_machine, format_machine
+from amp_trainer.atomic_files import write_text_atomic
+from benchmarks import cli
+from benchmarks.machine import REPO, describe_machine, format_machine
 
 MODES = ("amp-fp16", "stock-fp16", "amp-bf16", "fp32")
 # Not run by default: AmpTrainer fp16 without the FP32-norm forward hooks (keep_norms_fp32=False),
@@ -339,7 +341,10 @@ def diff_profiles(profile_dir: Path, base: str, other: str, top: int = 12) -> st
 def _spawn(args: argparse.Namespace, mode: str, workdir: str) -> dict[str, Any]:
     command = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        "-m",
+        "benchmarks",
+        "run",
+        "trainer",
         "--worker",
         mode,
         "--workdir",
@@ -362,8 +367,7 @@ def _spawn(args: argparse.Namespace, mode: str, workdir: str) -> dict[str, Any]:
     if args.profile is not None:
         command += ["--profile", str(args.profile)]
     env = dict(os.environ)
-    repo = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         env.setdefault(key, "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -451,7 +455,7 @@ def build_report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]
         "# AmpTrainer vs stock Trainer",
         "",
         f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- command: `python {' '.join(sys.argv)}`",
+        f"- command: `{args.command}`",
         f"- machine at the end: {format_machine(describe_machine())}",
         f"- device {args.device}; torch threads per run: {args.threads or torch.get_num_threads()}",
         f"- model: BertForSequenceClassification, {spec['num_hidden_layers']} layers x "
@@ -485,26 +489,18 @@ def run_order(modes: Sequence[str], repeat: int) -> list[str]:
 
 
 def _write(path: Path, report: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(report + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, report + "\n")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.topic_parser("trainer", __doc__)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--model", default="small", choices=tuple(MODELS))
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default steps/5)")
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="runs per mode (>= 1; default 3, 1 with --profile)",
-    )
+    cli.add_repeats(parser, None, "runs per mode (>= 1; default 3, 1 with --profile)")
     parser.add_argument(
         "--modes", default=",".join(MODES), help=f"subset of {','.join(MODES + EXTRA_MODES)}"
     )
@@ -514,7 +510,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="torch threads per run (default: 1 on CPU, torch's default on CUDA; 0: torch's)",
     )
-    parser.add_argument("--output", type=Path, default=None, help="also write the report here")
+    cli.add_output(parser)
     parser.add_argument(
         "--profile",
         type=Path,
@@ -526,7 +522,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    quick = {"model": "tiny", "steps": "3", "warmup": "1", "batch_size": "2", "seq_len": "8"}
+    cli.add_quick(parser, {**quick, "repeats": "1"})
+    args = cli.parse(parser, argv)
+    args.command = cli.command("trainer", argv)
     if args.profile is not None and args.repeats not in (None, 1):
         parser.error(f"--profile records one run per mode: use --repeats 1, got {args.repeats}")
     if args.repeats is None:
@@ -568,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode in run_order(args.modes, repeat):
                 result = _spawn(args, mode, os.path.join(workdir, f"{mode}-{repeat}"))
                 print(
-                    f"[bench_trainer] run {repeat + 1}/{args.repeats} {mode}: "
+                    f"[trainer] run {repeat + 1}/{args.repeats} {mode}: "
                     f"{result['steps_per_s']:.2f} steps/s, peak {result['peak_mem_mib']:.0f} MiB, "
                     f"loss {result['mean_loss']:.4f}",
                     file=sys.stderr,
@@ -589,7 +588,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write(args.output, report)
         print(f"\nwritten to {args.output}")
     return 0 if all(math.isfinite(r["mean_loss"]) for rs in runs.values() for r in rs) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -49,9 +49,9 @@ whose clean-step overhead is ~1 floor pass does nothing but the fused check-and-
 
 Usage::
 
-    python scripts/bench_scaler.py --threads 1             # full size, CPU, ~5 min on 2 cores
-    python scripts/bench_scaler.py --size 1e6 --repeats 3  # smoke run, seconds
-    python scripts/bench_scaler.py --device cuda --output benchmarks/gpu-scaler.md
+    python -m benchmarks run scaler --threads 1              # full size, CPU, ~5 min on 2 cores
+    python -m benchmarks run scaler --quick                  # smoke run, seconds
+    python -m benchmarks run scaler --device cuda --output benchmarks/scaler/gpu-scaler.md
 
 On a CPU shared with other processes use ``--threads 1``: OpenMP workers that spin-wait for a
 descheduled sibling turn 2-thread timings into scheduler noise.
@@ -67,12 +67,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from machine import describe_machine, format_machine
 
+from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.scaler import DynamicLossScaler
+from benchmarks import cli
+from benchmarks.machine import describe_machine, format_machine
 
 # bert-base-uncased
 BERT_BASE = {"hidden": 768, "layers": 12, "vocab": 30522, "max_positions": 512}
@@ -350,7 +351,7 @@ def environment_lines(
         device += f" ({torch.cuda.get_device_name(bench.device)})"
     return [
         f"- date: {_dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- command: `python {' '.join(sys.argv)}`",
+        f"- command: `{args.command}`",
         f"- machine at start: {format_machine(describe_machine())}",
         f"- device: {device}; torch threads: {torch.get_num_threads()}",
         f"- gradients: {numel(shapes):,} FP32 elements in {len(shapes)} tensors "
@@ -362,14 +363,14 @@ def environment_lines(
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.topic_parser("scaler", __doc__)
     parser.add_argument(
         "--size",
         type=float,
         default=None,
         help="approximate gradient elements (default: exactly bert-base's ~110M); e.g. 1e6",
     )
-    parser.add_argument("--repeats", type=int, default=15, help="timed rounds per row (>= 1)")
+    cli.add_repeats(parser, 15, "timed rounds per row (>= 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per row (>= 0)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -384,8 +385,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="time unscale_() + step() + update() (the clip-grad flow), not step() + update()",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=None, help="also write the report here")
-    args = parser.parse_args(argv)
+    cli.add_output(parser)
+    cli.add_quick(parser, {"size": "2e4", "repeats": "2", "warmup": "0"})
+    args = cli.parse(parser, argv)
+    args.command = cli.command("scaler", argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.warmup < 0:
@@ -453,13 +456,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(report)
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.output.with_name(args.output.name + ".tmp")
-        tmp.write_text(report + "\n")
-        tmp.replace(args.output)
+        write_text_atomic(args.output, report + "\n")
         print(f"\nwritten to {args.output}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

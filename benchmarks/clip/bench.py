@@ -2,23 +2,23 @@
 
 What is measured
 ----------------
-The BERT-base-shaped FP32 parameters of ``bench_scaler.py`` (201 tensors, ~110M elements, or the
-same tensors scaled to ``--size``) with gradients that carry a loss scale of 2**16 and a norm
-well above ``--max-norm`` (so clipping really multiplies). For each optimizer (SGD with
+The BERT-base-shaped FP32 parameters of the ``scaler`` benchmark (201 tensors, ~110M elements,
+or the same tensors scaled to ``--size``) with gradients that carry a loss scale of 2**16 and a
+norm well above ``--max-norm`` (so clipping really multiplies). For each optimizer (SGD with
 momentum, AdamW foreach, AdamW fused) one timed sample is one optimizer step of:
 
 * ``bare``  - ``optimizer.step()`` alone: no scaler, no clipping;
 * ``torch`` - ``torch.amp.GradScaler``: ``unscale_(opt)``, ``torch.nn.utils.clip_grad_norm_``,
   ``step(opt)``, ``update()`` (the Trainer/Accelerate flow with ``max_grad_norm`` set);
-* ``two-pass`` - ``DynamicLossScaler`` the same way (``unscale_`` then torch's clip): what
-  amp-trainer did before the one-pass path;
+* ``two-pass`` - ``DynamicLossScaler`` the same way (``unscale_`` then torch's clip): the
+  two-pass path, for comparison;
 * ``ours``  - ``DynamicLossScaler.clip_grad_norm_(opt, max_norm)``, ``step(opt)``, ``update()``:
   the norm of the scaled gradients (one read), then one multiply by ``min(1, c) / S``.
 
 The variants run interleaved and rotated within each repeat (A/B/C/D, then B/C/D/A, ...), the
 gradients refilled (untimed) before every sample, so slow drift of the machine's load cancels
 in paired differences. ``extra`` is a variant's time minus ``bare`` of the same repeat: the cost
-of unscaling and clipping on top of the optimizer step (the goal of issue 22: ours/torch <= 0.6);
+of unscaling and clipping on top of the optimizer step (the goal was ours/torch <= 0.6);
 it subtracts two samples of a long optimizer step, so on a loaded machine it is noisy.
 ``unscale+clip`` times that part of each scaler sample alone (the step itself is the same work
 in every variant), the steadier figure. Ratios are taken per repeat, median [p25/p75].
@@ -28,28 +28,27 @@ The script first checks what it times: after one step of each variant from the s
 
 Usage::
 
-    python scripts/bench_step_cost.py --threads 1                # bert-base size
-    python scripts/bench_step_cost.py --size 2e7 --repeats 5     # a documented smaller size
-    python scripts/bench_step_cost.py --size 1e5 --repeats 2     # smoke run, seconds
+    python -m benchmarks run clip --threads 1                # bert-base size
+    python -m benchmarks run clip --size 2e7 --repeats 5     # a documented smaller size
+    python -m benchmarks run clip --quick                    # smoke run, seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import math
 import statistics
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from bench_scaler import LOSS_SCALE, make_optimizer, numel, quartiles, shapes_for_size
-from machine import describe_machine, format_machine
 
+from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.scaler import DynamicLossScaler
+from benchmarks import cli
+from benchmarks.machine import describe_machine, format_machine
+from benchmarks.scaler.bench import LOSS_SCALE, make_optimizer, numel, quartiles, shapes_for_size
 
 OPTIMIZERS = ("sgd", "adamw-foreach", "adamw-fused")
 VARIANTS = ("bare", "torch", "two-pass", "ours")
@@ -227,16 +226,17 @@ def passes_table(seconds: dict[str, list[float]]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = cli.topic_parser("clip", __doc__)
     parser.add_argument("--size", type=float, default=None, help="gradient elements (bert-base)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--max-norm", type=float, default=1.0)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds per optimizer")
+    cli.add_repeats(parser, 5, "timed rounds per optimizer (>= 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--output", type=Path, default=None, help="also write the report here")
-    args = parser.parse_args(argv)
+    cli.add_output(parser)
+    cli.add_quick(parser, {"size": "2e4", "repeats": "2", "warmup": "0"})
+    args = cli.parse(parser, argv)
     kinds = [k.strip() for k in args.optimizers.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in OPTIMIZERS]
     if unknown or not kinds:
@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = [
         f"# Unscale + clip + step cost ({_dt.date.today().isoformat()})",
+        "",
+        f"Command: `{cli.command('clip', argv)}`",
         "",
         f"Machine (before): {format_machine(machine_before)}",
         "",
@@ -288,9 +290,5 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(report)
     print(text)
     if args.output is not None:
-        args.output.write_text(text + "\n", encoding="utf-8")
+        write_text_atomic(args.output, text + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,21 +1,23 @@
-"""Driver of scripts/gpu_check.sh: one measured part per call, results merged into one JSON file.
+"""GPU throughput, memory, scaler cost, export latency and scale trajectory: one part per call.
 
-Each part is a subcommand so that the shell script can give every part its own ``timeout`` and
-keep going when one fails; every part rewrites the JSON (and the Markdown rendered from it)
-atomically as soon as it finishes, so a run that is cut short keeps everything measured so far.
+``bash scripts/gpu_check.sh`` runs every part on a machine lent a GPU, each under its own
+``timeout``, and keeps going when one fails: that is why each part is a subcommand
+(``python -m benchmarks run gpu PART``). Every part rewrites the results JSON (and the Markdown
+rendered from it) atomically as soon as it finishes, so a run that is cut short keeps everything
+measured so far.
 
-Parts (all on ``--device``, CUDA by default; ``--tiny`` shrinks everything for a CPU smoke test):
+Parts (all on ``--device``, CUDA by default; ``--quick`` shrinks everything for a CPU smoke test):
 
 * ``loop``       - train throughput and peak memory of bert-base- and gpt2-sized models (built
   from configs, nothing downloaded) at batch 32 x seq 128: fp32, fp16 with DynamicLossScaler,
   fp16 with torch.amp.GradScaler ("stock"), bf16. A plain PyTorch loop (autocast, scaled
   backward, unscale, clip 1.0, fused AdamW), so it measures precision and scaler, not a trainer.
-* ``scaler``     - scripts/bench_scaler.py on the device.
+* ``scaler``     - the ``scaler`` benchmark on the device.
 * ``trajectory`` - the loss scale, step by step, of a short gpt2-sized fp16 run with
   DynamicLossScaler (growth_interval 25, so growth and backoff both show up).
 * ``export``     - FP16 inference latency vs FP32 of a bert-base-sized classifier (``model.half()``,
   and ``amp_trainer.export.export_fp16`` when that module exists).
-* ``attach``     - store a Markdown file another script wrote (bench_trainer.py's table).
+* ``attach``     - store a Markdown file another benchmark wrote (the ``trainer`` table).
 * ``fail``       - record that a part failed or timed out (called by the shell script).
 * ``cuda-ok``    - exit 0 when a CUDA device is usable, 10 when not (prints why).
 """
@@ -40,24 +42,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import describe_machine, format_machine
 
-SCRIPTS = Path(__file__).resolve().parent
+from amp_trainer.atomic_files import write_text_atomic
+from benchmarks import cli
+from benchmarks.machine import REPO, describe_machine, format_machine
+
 MODES = ("fp32", "fp16-ours", "fp16-stock", "bf16")
 
 
 # ------------------------------------------------------------------------------------------------
 # the results file
 # ------------------------------------------------------------------------------------------------
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; these are results to share
-    os.replace(tmp, path)
-
-
 def load_results(path: Path) -> dict[str, Any]:
     if path.exists():
         return json.loads(path.read_text())
@@ -67,8 +62,8 @@ def load_results(path: Path) -> dict[str, Any]:
 def save_part(path: Path, part: str, record: dict[str, Any]) -> None:
     results = load_results(path)
     results["parts"][part] = record
-    _atomic_write(path, json.dumps(results, indent=2, sort_keys=False) + "\n")
-    _atomic_write(path.with_suffix(".md"), render_markdown(results))
+    write_text_atomic(path, json.dumps(results, indent=2, sort_keys=False) + "\n")
+    write_text_atomic(path.with_suffix(".md"), render_markdown(results))
 
 
 def environment() -> dict[str, Any]:
@@ -315,8 +310,8 @@ def timed_part(output: Path, part: str) -> Iterator[dict[str, Any]]:
 
 def part_loop(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
-    batch, seq = (4, 32) if args.tiny else (32, 128)
-    warmup, steps = (1, 3) if args.tiny else (5, 30)
+    batch, seq = (4, 32) if args.quick else (32, 128)
+    warmup, steps = (1, 3) if args.quick else (5, 30)
     with timed_part(args.output, "loop") as record:
         runs: list[dict[str, Any]] = []
         record["result"] = {"batch": batch, "seq": seq, "steps": steps, "runs": runs}
@@ -329,7 +324,7 @@ def part_loop(args: argparse.Namespace) -> None:
                         model_name,
                         mode,
                         device=device,
-                        tiny=args.tiny,
+                        tiny=args.quick,
                         batch=batch,
                         seq=seq,
                         warmup=warmup,
@@ -344,8 +339,8 @@ def part_loop(args: argparse.Namespace) -> None:
 
 def part_trajectory(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
-    steps = 10 if args.tiny else 150
-    batch, seq = (4, 32) if args.tiny else (32, 128)
+    steps = 10 if args.quick else 150
+    batch, seq = (4, 32) if args.quick else (32, 128)
     trajectory: list[dict[str, Any]] = []
 
     def on_step(step: int, loss: float, scaler: Any) -> None:
@@ -364,7 +359,7 @@ def part_trajectory(args: argparse.Namespace) -> None:
             "gpt2",
             "fp16-ours",
             device=device,
-            tiny=args.tiny,
+            tiny=args.quick,
             batch=batch,
             seq=seq,
             warmup=0,
@@ -399,11 +394,11 @@ def _median_ms(fn: Callable[[], object], device: torch.device, iters: int) -> fl
 
 def part_export(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
-    iters = 5 if args.tiny else 50
-    seq = 32 if args.tiny else 128
+    iters = 5 if args.quick else 50
+    seq = 32 if args.quick else 128
     with timed_part(args.output, "export") as record:
         torch.manual_seed(0)
-        model = build_model("bert-base", args.tiny).eval().to(device)
+        model = build_model("bert-base", args.quick).eval().to(device)
         latency = []
         for batch in (1, 32):
             inputs = make_batch(model, "bert-base", batch, seq, device, seed=0)
@@ -429,7 +424,7 @@ def part_export(args: argparse.Namespace) -> None:
 
 
 def _try_export_fp16(model: torch.nn.Module) -> str:
-    """helper B's exporter, when present: its parity report, or the error it raised."""
+    """The FP16 exporter's parity report on this device, or the error it raised."""
     try:
         from amp_trainer.export import export_fp16
 
@@ -446,12 +441,14 @@ def _try_export_fp16(model: torch.nn.Module) -> str:
 def part_scaler(args: argparse.Namespace) -> None:
     with timed_part(args.output, "scaler") as record, tempfile.TemporaryDirectory() as tmp:
         md = Path(tmp) / "scaler.md"
-        command = [sys.executable, str(SCRIPTS / "bench_scaler.py"), "--device", args.device]
-        if args.tiny:
+        command = [sys.executable, "-m", "benchmarks", "run", "scaler", "--device", args.device]
+        if args.quick:
             command += ["--size", "2e5", "--repeats", "2", "--warmup", "1"]
         else:
             command += ["--repeats", "20", "--warmup", "3"]
-        subprocess.run([*command, "--output", str(md)], check=True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        subprocess.run([*command, "--output", str(md)], check=True, cwd=REPO, env=env)
         record["result"] = {"markdown": md.read_text()}
 
 
@@ -485,16 +482,35 @@ def cuda_ok(_: argparse.Namespace) -> int:
     return 0
 
 
+PARTS = {
+    "loop": "train throughput and peak memory, bert-base and gpt2 sizes, every precision",
+    "trajectory": "the loss scale, step by step, of a short gpt2-sized fp16 run",
+    "export": "FP16 inference latency against FP32, and the FP16 export's parity report",
+    "scaler": "the scaler benchmark on the device",
+    "attach": "store a Markdown file another benchmark wrote",
+    "fail": "record that a part failed or timed out",
+    "cuda-ok": f"exit 0 when a CUDA device is usable, {NO_CUDA} when not",
+}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.topic_parser("gpu", __doc__)
     sub = parser.add_subparsers(dest="part", required=True)
-    for name in ("loop", "trajectory", "export", "scaler", "attach", "fail", "cuda-ok"):
-        p = sub.add_parser(name)
+    for name, what in PARTS.items():
+        p = sub.add_parser(name, help=what, description=what)
         if name == "cuda-ok":
             continue
-        p.add_argument("--output", type=Path, required=True, help="results JSON path")
+        p.add_argument(
+            "--output",
+            type=Path,
+            required=True,
+            metavar="PATH",
+            help="the results JSON (its Markdown goes next to it)",
+        )
         p.add_argument("--device", default="cuda")
-        p.add_argument("--tiny", action="store_true", help="tiny models and steps (smoke test)")
+        p.add_argument(
+            "--quick", action="store_true", help="tiny models and steps: a smoke test in seconds"
+        )
         if name in ("attach", "fail"):
             p.add_argument("--name", required=True, help="the part's name in the results")
         if name == "attach":
@@ -518,7 +534,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     parts[args.part](args)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

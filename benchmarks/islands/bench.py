@@ -10,7 +10,7 @@ both alike; the overhead column is the paired per-round difference, median [p25/
 this thread's CPU time (``time.thread_time``), so other processes on a shared machine do not
 count; with ``--threads 1`` that is all the work a call does.
 
-Regimes (the module is ``LayerNorm(width)`` by default, the figure in benchmarks/README.md):
+Regimes (the module is ``LayerNorm(width)`` by default, the figure in this folder's README.md):
 
 * ``fp32 eager``: FP32 input, no autocast (the wrapper's bare cost: nothing to cast);
 * ``autocast, fp32 in``: FP32 input under FP16 autocast, what a transformer's residual stream
@@ -20,28 +20,26 @@ Regimes (the module is ``LayerNorm(width)`` by default, the figure in benchmarks
 
 Usage::
 
-    python scripts/bench_islands.py                 # LayerNorm(768), ~20 s
-    python scripts/bench_islands.py --module linear --width 768 --rounds 30
+    python -m benchmarks run islands                 # LayerNorm(768), ~20 s
+    python -m benchmarks run islands --module linear --width 768 --repeats 30
+    python -m benchmarks run islands --quick         # smoke run, seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import statistics
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import torch
-from machine import describe_machine, format_machine
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
+from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.islands import keep_norms_in_fp32
+from benchmarks import cli
+from benchmarks.machine import describe_machine, format_machine
 
 REGIMES = ("fp32 eager", "autocast, fp32 in", "autocast, fp16 in")
 
@@ -117,38 +115,45 @@ def measure(kind: str, width: int, calls: int, rounds: int) -> list[dict[str, ob
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = cli.topic_parser("islands", __doc__)
     parser.add_argument("--module", default="layernorm", choices=("layernorm", "linear"))
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--calls", type=int, default=2000, help="calls per timed round")
-    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per regime")
+    cli.add_repeats(parser, 21, "interleaved timed rounds per regime (>= 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    args = parser.parse_args(argv)
-    if args.width < 1 or args.calls < 1 or args.rounds < 4:
-        parser.error("--width and --calls must be >= 1, --rounds >= 4")
+    cli.add_output(parser)
+    cli.add_quick(parser, {"calls": "20", "repeats": "4"})
+    args = cli.parse(parser, argv)
+    if args.width < 1 or args.calls < 1 or args.repeats < 4:
+        parser.error(
+            f"--width and --calls must be >= 1 and --repeats >= 4, got "
+            f"{args.width}, {args.calls} and {args.repeats}"
+        )
     torch.set_num_threads(args.threads)
-    rows = measure(args.module, args.width, args.calls, args.rounds)
+    rows = measure(args.module, args.width, args.calls, args.repeats)
     name = {"layernorm": "LayerNorm", "linear": "Linear"}[args.module]
-    print(f"## FP32 island host cost: {name}({args.width}), input 1 x {args.width}, CPU eager")
-    print()
-    print(f"Machine: {format_machine(describe_machine())}.")
-    print()
-    print(
-        f"{args.threads} torch thread(s); {args.rounds} interleaved rounds x {args.calls} calls; "
-        "us of thread CPU time per call"
-    )
-    print()
-    print("| regime | plain | island | island - plain [p25/p75] | of which input/output casts |")
-    print("|---|---|---|---|---|")
+    lines = [
+        f"## FP32 island host cost: {name}({args.width}), input 1 x {args.width}, CPU eager",
+        "",
+        f"Command: `{cli.command('islands', argv)}`",
+        "",
+        f"Machine: {format_machine(describe_machine())}.",
+        "",
+        f"{args.threads} torch thread(s); {args.repeats} interleaved rounds x {args.calls} calls; "
+        "us of thread CPU time per call",
+        "",
+        "| regime | plain | island | island - plain [p25/p75] | of which input/output casts |",
+        "|---|---|---|---|---|",
+    ]
     for row in rows:
         casts = f"{row['casts_us']:.2f}" if row["casts_us"] else "none"
-        print(
+        lines.append(
             f"| {row['regime']} | {row['plain_us']:.2f} | {row['island_us']:.2f} "
             f"| {row['overhead_us']:+.2f} [{row['p25']:+.2f}/{row['p75']:+.2f}] | {casts} |"
         )
+    text = "\n".join(lines)
+    print(text)
+    if args.output is not None:
+        write_text_atomic(args.output, text + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,15 +19,17 @@ core count and load average before and after each run are stored with its result
 
 Usage::
 
-    python scripts/fidelity.py                         # 2 recipes x 3 precisions x 3 seeds
-    nice -n 15 python scripts/fidelity.py > benchmarks/fidelity.log 2>&1 &   # in the background
-    python scripts/fidelity.py --summary-only          # table from the results so far
-    python scripts/fidelity.py --recipes bert --precisions fp32 fp16 --seeds 1 2
+    python -m benchmarks run fidelity                  # 2 recipes x 3 precisions x 3 seeds
+    nice -n 15 python -m benchmarks run fidelity > /tmp/fidelity.log 2>&1 &   # in the background
+    python -m benchmarks run fidelity --summary-only   # table from the results so far
+    python -m benchmarks run fidelity --recipes bert --precisions fp32 fp16 --seeds 1 2
+
+There is no ``--quick``: a run is a recipe's whole default run, and a shorter one would measure
+a different training.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import hashlib
 import json
@@ -42,9 +44,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from machine import describe_machine, format_machine
+from amp_trainer.atomic_files import write_text_atomic
+from benchmarks import cli
+from benchmarks.machine import REPO, describe_machine, format_machine
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
 RECIPES = {"bert": "recipes/finetune_bert.py", "gpt2": "recipes/finetune_gpt2.py"}
 PRECISIONS = ("fp32", "fp16", "bf16")
 SEEDS = (42, 43, 44)
@@ -165,22 +169,19 @@ def summarize(records: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.topic_parser("fidelity", __doc__)
     parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=list(RECIPES))
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument(
         "--results",
         type=Path,
-        default=REPO / "benchmarks" / "fidelity" / "results",
-        help="one JSON per run; existing ones are not rerun",
+        default=HERE / "results",
+        metavar="DIR",
+        help="folder of the results, one JSON per run; existing ones are not rerun (default: "
+        f"{cli.shown_path(HERE / 'results')})",
     )
-    parser.add_argument(
-        "--summary",
-        type=Path,
-        default=REPO / "benchmarks" / "fidelity" / "fidelity.md",
-        help="Markdown table",
-    )
+    cli.add_output(parser, HERE / "fidelity.md", "write the summary table here (Markdown)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS; 0: torch's own")
     parser.add_argument("--summary-only", action="store_true", help="no runs, table only")
     parser.add_argument(
@@ -189,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=Path(tempfile.gettempdir()) / "amp-trainer-fidelity-cache",
         help="AMP_TRAINER_CACHE shared by all runs (keep it to resume with the same tokenizers)",
     )
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
 
     args.results.mkdir(parents=True, exist_ok=True)
     info = describe_machine()
@@ -219,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             record = run_one(recipe, precision, seed, args.threads, cache)
             record["machine"] = {**info, "load_average": record["load_before"]}
-            path.write_text(json.dumps(record, indent=2) + "\n")
+            write_text_atomic(path, json.dumps(record, indent=2) + "\n")
             shown = {k: record.get(k) for k, *_ in METRICS[recipe]}
             print(
                 f"{recipe} {precision} seed {seed}: rc={record['returncode']} {shown} "
@@ -232,8 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = [
         "# FP16 fidelity of the recipes' offline defaults",
         "",
-        "- command: `python scripts/fidelity.py` (one subprocess per run, results in "
-        "`benchmarks/fidelity/`)",
+        f"- command: `{cli.command('fidelity', argv)}` (one subprocess per run, results in "
+        f"`{cli.shown_path(args.results)}/`)",
         f"- machine: {format_machine(info)}",
         f"- threads per run: {args.threads or 'torch default'}",
         f"- {len(records)} run(s); 1-min load average before the runs: "
@@ -242,10 +243,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
     ]
     text = "\n".join(header) + "\n" + table + "\n"
-    args.summary.write_text(text)
+    write_text_atomic(args.output, text)
     print(text)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,16 +11,18 @@ grew, at least one step was skipped on overflow, BERT accuracy >= 85 %, GPT-2 pe
 below the untrained model's (at most a third of it), and a wall time of at most 90 s.
 
 The machine is shared: read the load average column before trusting a time. One command reruns
-everything and rewrites ``benchmarks/cpu-recipes.md``::
+everything and rewrites ``benchmarks/recipes/cpu-recipes.md`` (and ``.json``)::
 
-    python scripts/bench_recipes.py                  # both recipes, 1 run each
-    python scripts/bench_recipes.py --repeats 3      # median of 3
-    python scripts/bench_recipes.py --recipes bert --output /tmp/bench.md
+    python -m benchmarks run recipes                  # both recipes, 1 run each
+    python -m benchmarks run recipes --repeats 3      # median of 3
+    python -m benchmarks run recipes --recipes bert --output /tmp/bench.md
+
+There is no ``--quick``: a recipe's default run is what is measured, and a shorter one would
+neither meet its checks nor time anything a user runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import os
@@ -34,9 +36,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from machine import describe_machine, format_machine
-
-REPO = Path(__file__).resolve().parent.parent
+from amp_trainer.atomic_files import write_text_atomic
+from benchmarks import cli
+from benchmarks.machine import REPO, describe_machine, format_machine
 
 RECIPES = {
     "bert": ("recipes/finetune_bert.py", "runs/bert_offline"),
@@ -120,7 +122,7 @@ def report(records: list[dict[str, Any]], info: dict[str, Any], argv: Sequence[s
     lines = [
         "# Recipe wall times (offline defaults, whole process)",
         "",
-        f"- command: `{' '.join(['python scripts/bench_recipes.py', *argv])}`",
+        f"- command: `{cli.command('recipes', argv)}`",
         f"- date: {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",
         f"- machine: {format_machine(info)}",
         f"- OMP_NUM_THREADS: {os.environ.get('OMP_NUM_THREADS', 'unset (torch default)')}",
@@ -156,13 +158,17 @@ def report(records: list[dict[str, Any]], info: dict[str, Any], argv: Sequence[s
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.topic_parser("recipes", __doc__)
     parser.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=list(RECIPES))
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument(
-        "--output", type=Path, default=REPO / "benchmarks" / "recipes" / "cpu-recipes.md"
+    cli.add_repeats(parser, 1, "runs of each recipe (>= 1; the table gives each and the median)")
+    cli.add_output(
+        parser,
+        Path(__file__).resolve().parent / "cpu-recipes.md",
+        "write the report here (Markdown), and the runs as JSON next to it",
     )
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     info = describe_machine()
     records = []
     for _ in range(args.repeats):
@@ -171,14 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(record), flush=True)
             records.append(record)
     text = report(records, info, argv)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    args.output.with_suffix(".json").write_text(
-        json.dumps({"machine": info, "runs": records}, indent=2) + "\n"
+    write_text_atomic(args.output, text)
+    write_text_atomic(
+        args.output.with_suffix(".json"),
+        json.dumps({"machine": info, "runs": records}, indent=2) + "\n",
     )
     print(text)
     return 0 if all(r.get("passed") for r in records) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

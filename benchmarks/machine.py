@@ -1,11 +1,9 @@
-"""The one description of the machine a benchmark ran on, for every script in scripts/.
+"""The one description of the machine a benchmark ran on, for every topic of ``benchmarks/``.
 
 A timing means little without the CPU (and its FP16/BF16 instructions), the cores the process may
-use, the load from other processes, the library versions and the code's commit. Every script
-records :func:`describe_machine` in its JSON and :func:`format_machine` in its Markdown header.
-
-The scripts are run as ``python scripts/<name>.py``, so this folder is ``sys.path[0]`` and they
-import it as ``from machine import describe_machine, format_machine``.
+use, the load from other processes, the library versions and the code's commit. Every topic
+records :func:`describe_machine` in its JSON and :func:`format_machine` in its Markdown header,
+so that every result file names CPU model, flags, cores, load and commit in the same words.
 """
 
 from __future__ import annotations
