@@ -82,6 +82,15 @@ def test_each_benchmark_has_help_under_the_command_a_user_types(topic, capsys):
     assert capsys.readouterr().out.startswith(f"usage: python -m benchmarks run {topic} ")
 
 
+@pytest.mark.parametrize("topic", TOPICS)
+def test_each_benchmark_folder_has_a_readme_with_the_command_that_reproduces_its_results(topic):
+    readme = REPO_ROOT / "benchmarks" / topic / "README.md"
+
+    text = readme.read_text()
+    assert f"python -m benchmarks run {topic}" in text
+    assert "```bash" in text
+
+
 def test_quick_sets_small_defaults_that_a_flag_given_explicitly_overrides():
     bench_scaler = _load_topic("scaler")
 
