@@ -105,7 +105,7 @@ class _Fp32Island:
     pickles and deep-copies (the reference to its module follows the copy). It replaces the
     module's ``forward`` rather than adding forward hooks: a module with hooks goes through
     ``nn.Module``'s slow call path: the earlier hook pair cost 16-36 us of host time per
-    ``LayerNorm(768)`` call, this 3-10 (``scripts/bench_islands.py``). It also keeps the whole
+    ``LayerNorm(768)`` call, this 3-10 (``benchmarks/islands``). It also keeps the whole
     region in one ``try`` (autocast is restored when the forward raises) and in one ``with`` block
     under ``torch.compile``, the form dynamo can trace. Forward hooks of the module see what its
     callers pass and get.

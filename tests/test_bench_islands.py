@@ -1,4 +1,4 @@
-"""scripts/bench_islands.py runs and prints a well-formed table (structure only: never timing)."""
+"""The islands benchmark runs and prints a well-formed table (structure only: never timing)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import sys
 from conftest import REPO_ROOT, subprocess_env
 
 
-def test_bench_islands_prints_plain_and_island_side_by_side_for_every_regime():
-    script = str(REPO_ROOT / "scripts" / "bench_islands.py")
+def test_bench_islands_prints_plain_and_island_side_by_side_for_every_regime(tmp_path):
+    report = tmp_path / "islands.md"
     done = subprocess.run(
-        [sys.executable, script, "--calls", "20", "--rounds", "4"],
+        [sys.executable, "-m", "benchmarks", "run", "islands", "--quick", "--output", str(report)],
         cwd=REPO_ROOT,
         env=subprocess_env(),
         capture_output=True,
@@ -27,3 +27,7 @@ def test_bench_islands_prints_plain_and_island_side_by_side_for_every_regime():
     assert [row[0] for row in rows] == ["fp32 eager", "autocast, fp32 in", "autocast, fp16 in"]
     assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows)
     assert "load average" in done.stdout and "LayerNorm(768)" in done.stdout
+    # The quick values, and the command that reproduces the report, in the report itself.
+    assert "4 interleaved rounds x 20 calls" in done.stdout
+    assert f"Command: `python -m benchmarks run islands --quick --output {report}`" in done.stdout
+    assert report.read_text().strip() == done.stdout.strip()

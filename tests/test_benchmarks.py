@@ -1,8 +1,8 @@
-"""The benchmark scripts run and print well-formed tables (structure only: never timing)."""
+"""The benchmarks run and print well-formed tables (structure only: never timing)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import re
@@ -15,19 +15,12 @@ import pytest
 import torch
 from conftest import REPO_ROOT, subprocess_env
 
-SCRIPTS = REPO_ROOT / "scripts"
+GPU_CHECK = REPO_ROOT / "scripts" / "gpu_check.sh"
 
 
-def _load_script(name: str) -> ModuleType:
-    """Import scripts/<name>.py in this process (the scripts directory is not a package)."""
-    if str(SCRIPTS) not in sys.path:  # where `python scripts/<name>.py` finds scripts/machine.py
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+def _load_topic(name: str) -> ModuleType:
+    """A topic's module, ``benchmarks/<name>/bench.py``, as ``python -m benchmarks run`` runs it."""
+    return importlib.import_module(f"benchmarks.{name}.bench")
 
 
 def _run(*command: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
@@ -57,8 +50,92 @@ def _table_rows(output: str, first_header: str) -> tuple[list[str], list[list[st
     return header, rows
 
 
+TOPICS = sorted(path.parent.name for path in (REPO_ROOT / "benchmarks").glob("*/bench.py"))
+
+
+def test_list_names_every_benchmark_folder_with_what_it_measures():
+    done = _run(sys.executable, "-m", "benchmarks", "list")
+
+    assert done.returncode == 0, done.stderr
+    listed = [line.split()[0] for line in done.stdout.splitlines()[: len(TOPICS)]]
+    assert listed == TOPICS
+    assert {"clip", "fidelity", "gpu", "islands", "recipes", "scaler", "trainer"} <= set(TOPICS)
+    first_line = _load_topic("scaler").__doc__.split("\n")[0]
+    assert f"scaler    {first_line}" in done.stdout
+
+
+def test_run_of_an_unknown_benchmark_fails_and_names_the_valid_ones(capsys):
+    main = importlib.import_module("benchmarks.__main__").main
+
+    assert main(["run", "scalar"]) == 2
+
+    err = capsys.readouterr().err
+    assert "unknown benchmark 'scalar': valid are " + ", ".join(TOPICS) in err
+
+
+@pytest.mark.parametrize("topic", TOPICS)
+def test_each_benchmark_has_help_under_the_command_a_user_types(topic, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _load_topic(topic).main(["--help"])
+
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m benchmarks run {topic} ")
+
+
+@pytest.mark.parametrize("topic", TOPICS)
+def test_each_benchmark_folder_has_a_readme_with_the_command_that_reproduces_its_results(topic):
+    readme = REPO_ROOT / "benchmarks" / topic / "README.md"
+
+    text = readme.read_text()
+    assert f"python -m benchmarks run {topic}" in text
+    assert "```bash" in text
+
+
+def test_quick_sets_small_defaults_that_a_flag_given_explicitly_overrides():
+    bench_scaler = _load_topic("scaler")
+
+    quick = bench_scaler.parse_args(["--quick", "--repeats", "5"])
+    full = bench_scaler.parse_args([])
+
+    assert (quick.size, quick.repeats, quick.warmup) == (20_000, 5, 0)
+    assert (full.size, full.repeats, full.warmup) == (None, 15, 2)
+    assert quick.command == "python -m benchmarks run scaler --quick --repeats 5"
+
+
+# What benchmarks/machine.py's format_machine writes: CPU model and flags, cores, load, commit.
+MACHINE_LINE = re.compile(
+    r"CPU .+? \((?!flags unknown)[^)]*\), torch capability \S+, native BF16: \w+; "
+    r"\d+ logical cores, \S+ usable; load average [\d. ]+; GPU: .*; commit [0-9a-f]{7,}"
+)
+NOT_RECORDED = "> **Not recorded by this run:** "
+RESULT_FILES = sorted(
+    path
+    for path in (REPO_ROOT / "benchmarks").glob("*/**/*")
+    if path.suffix in (".md", ".json", ".jsonl") and path.name != "README.md"
+)
+
+
+def test_every_result_file_names_cpu_flags_cores_load_and_commit_or_says_what_it_lacks():
+    assert len(RESULT_FILES) >= 40  # the results are where this test looks
+    incomplete = []
+    for path in RESULT_FILES:
+        text = path.read_text()
+        if path.suffix == ".md":
+            complete = bool(MACHINE_LINE.search(text)) or text.startswith(NOT_RECORDED)
+        else:
+            record = json.loads(text.splitlines()[0] if path.suffix == ".jsonl" else text)
+            machine = record.get("machine") or record.get("meta", {}).get("machine") or {}
+            named = {"cpu", "cpu_flags", "cores", "load_average", "git"} <= set(machine)
+            complete = named or bool(record.get("not_recorded"))
+        if not complete:
+            incomplete.append(str(path.relative_to(REPO_ROOT)))
+    assert not incomplete, (
+        f"result files without the machine line or a not-recorded note: {incomplete}"
+    )
+
+
 def test_describe_machine_records_cpu_cores_load_and_commit_of_this_machine():
-    machine = _load_script("machine")
+    machine = importlib.import_module("benchmarks.machine")
 
     info = machine.describe_machine()
 
@@ -77,12 +154,14 @@ def test_describe_machine_records_cpu_cores_load_and_commit_of_this_machine():
     assert info["torch"] == torch.__version__ and info["torch_threads"] >= 1
     line = machine.format_machine(info)
     assert info["cpu"] in line and "load average" in line and "logical cores" in line
+    if info["cpu_flags"] is not None and info["git"] is not None:
+        assert MACHINE_LINE.search(line), line  # what the result-file check looks for
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script")
 def test_gpu_check_without_cuda_exits_cleanly_and_says_nothing_was_measured(tmp_path):
     # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on a GPU machine too.
-    done = _run("bash", str(SCRIPTS / "gpu_check.sh"), str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    done = _run("bash", str(GPU_CHECK), str(tmp_path), CUDA_VISIBLE_DEVICES="")
 
     assert done.returncode == 0, done.stderr
     assert "no CUDA device: nothing measured" in done.stdout
@@ -90,10 +169,10 @@ def test_gpu_check_without_cuda_exits_cleanly_and_says_nothing_was_measured(tmp_
 
 
 def test_gpu_check_driver_writes_json_and_markdown_after_a_part(tmp_path):
-    gpu_check = _load_script("gpu_check")
+    gpu_check = _load_topic("gpu")
     results = tmp_path / "gpu.json"
 
-    gpu_check.main(["trajectory", "--output", str(results), "--device", "cpu", "--tiny"])
+    gpu_check.main(["trajectory", "--output", str(results), "--device", "cpu", "--quick"])
 
     part = json.loads(results.read_text())["parts"]["trajectory"]
     assert part["status"] == "ok"
@@ -104,7 +183,7 @@ def test_gpu_check_driver_writes_json_and_markdown_after_a_part(tmp_path):
 
 
 def test_gpu_check_driver_keeps_a_failed_parts_reason_next_to_earlier_results(tmp_path):
-    gpu_check = _load_script("gpu_check")
+    gpu_check = _load_topic("gpu")
     results = tmp_path / "gpu.json"
     gpu_check.save_part(results, "scaler", {"status": "ok", "seconds": 1.0, "result": {}})
 
@@ -117,7 +196,7 @@ def test_gpu_check_driver_keeps_a_failed_parts_reason_next_to_earlier_results(tm
 
 
 def test_bench_scaler_prints_one_row_per_optimizer_and_step_kind(tmp_path, capsys):
-    bench_scaler = _load_script("bench_scaler")
+    bench_scaler = _load_topic("scaler")
     report = tmp_path / "scaler.md"
 
     argv = ["--size", "2e4", "--repeats", "2", "--warmup", "0", "--output", str(report)]
@@ -139,14 +218,14 @@ def test_bench_scaler_prints_one_row_per_optimizer_and_step_kind(tmp_path, capsy
 
 
 def test_bench_scaler_rejects_a_size_too_small_to_hold_the_model():
-    bench_scaler = _load_script("bench_scaler")
+    bench_scaler = _load_topic("scaler")
 
     with pytest.raises(ValueError, match="--size must be >= 1000"):
         bench_scaler.main(["--size", "10"])
 
 
 def test_bench_step_cost_prints_one_row_per_optimizer_with_the_ratios(tmp_path, capsys):
-    bench_step_cost = _load_script("bench_step_cost")
+    bench_step_cost = _load_topic("clip")
     report = tmp_path / "step-cost.md"
 
     argv = ["--size", "2e4", "--repeats", "2", "--warmup", "0", "--output", str(report)]
@@ -173,7 +252,7 @@ def test_bench_step_cost_prints_one_row_per_optimizer_with_the_ratios(tmp_path, 
 
 
 def test_bench_step_cost_checks_that_ours_and_torch_step_identically():
-    bench_step_cost = _load_script("bench_step_cost")
+    bench_step_cost = _load_topic("clip")
     shapes = bench_step_cost.shapes_for_size(5_000)
 
     for kind in bench_step_cost.OPTIMIZERS:
@@ -184,19 +263,11 @@ def test_bench_step_cost_checks_that_ours_and_torch_step_identically():
 def test_bench_trainer_prints_ampTrainer_against_stock_fp16(tmp_path):
     done = _run(
         sys.executable,
-        str(SCRIPTS / "bench_trainer.py"),
-        "--model",
-        "tiny",
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "8",
-        "--repeats",
-        "1",
+        "-m",
+        "benchmarks",
+        "run",
+        "trainer",
+        "--quick",
         "--modes",
         "amp-fp16,stock-fp16,stock-fp16-again",
         "--profile",
@@ -237,7 +308,7 @@ def test_bench_trainer_prints_ampTrainer_against_stock_fp16(tmp_path):
 
 
 def test_bench_trainer_profile_needs_one_repeat():
-    bench_trainer = _load_script("bench_trainer")
+    bench_trainer = _load_topic("trainer")
     with pytest.raises(SystemExit):
         bench_trainer.parse_args(["--profile", "somewhere", "--repeats", "3"])
     assert bench_trainer.parse_args(["--profile", "somewhere"]).repeats == 1
@@ -245,7 +316,7 @@ def test_bench_trainer_profile_needs_one_repeat():
 
 
 def test_diff_profiles_says_when_the_gemm_calls_differ(tmp_path):
-    bench_trainer = _load_script("bench_trainer")
+    bench_trainer = _load_topic("trainer")
 
     def profile(mm_calls: int, mm_us: float) -> dict:
         return {

@@ -1,26 +1,14 @@
-"""scripts/fidelity.py: the summary statistics and the resume rule (no recipe is run here)."""
+"""The fidelity benchmark: the summary statistics and the resume rule (no recipe is run here)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import statistics
-import sys
-
-from tests.conftest import REPO_ROOT
 
 
 def load_fidelity():
-    scripts = str(REPO_ROOT / "scripts")
-    if scripts not in sys.path:  # where `python scripts/fidelity.py` finds scripts/machine.py
-        sys.path.insert(0, scripts)
-    spec = importlib.util.spec_from_file_location(
-        "_fidelity", REPO_ROOT / "scripts" / "fidelity.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.fidelity.bench")
 
 
 def record(recipe, precision, seed, **metrics):
@@ -56,7 +44,10 @@ def test_a_sweep_skips_runs_whose_result_file_exists(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fidelity, "run_one", fake_run)
     argv = ["--recipes", "bert", "--precisions", "fp32", "fp16", "--seeds", "7"]
-    argv += ["--results", str(tmp_path), "--summary", str(tmp_path / "s.md")]
+    argv += ["--results", str(tmp_path), "--output", str(tmp_path / "s.md")]
     assert fidelity.main(argv) == 0
     assert ran == [("bert", "fp16", 7)]
     assert fidelity.result_path(tmp_path, "bert", "fp16", 7).is_file()
+    summary = (tmp_path / "s.md").read_text()
+    assert f"- command: `python -m benchmarks run fidelity {' '.join(argv)}`" in summary
+    assert "| bert | accuracy % | fp16 | 1.00 ± 0.00 (n=1) | -89.00 |" in summary

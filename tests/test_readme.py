@@ -16,8 +16,13 @@ import pytest
 from conftest import REPO_ROOT, subprocess_env
 
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
-# Pages whose links are checked too (they hold no Python examples).
-LINKED = [*DOCS, REPO_ROOT / "benchmarks" / "README.md"]
+# Pages whose links are checked too (they hold no Python examples): the benchmarks' index and
+# each benchmark's README, which link to their result files.
+BENCHMARKS = [
+    REPO_ROOT / "benchmarks" / "README.md",
+    *sorted(REPO_ROOT.glob("benchmarks/*/README.md")),
+]
+LINKED = [*DOCS, *BENCHMARKS]
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _NO_TEST = re.compile(r"<!--\s*no-test:\s*(.*?)\s*-->\s*$")
@@ -60,7 +65,7 @@ def test_a_no_test_mark_right_before_a_block_skips_only_that_block_with_its_reas
 
 def test_every_docs_page_is_reachable_from_the_readme_or_another_page():
     linked = set()
-    for path in DOCS:
+    for path in LINKED:
         for target in _LINK.findall(path.read_text()):
             linked.add((path.parent / target.split("#")[0]).resolve())
     orphans = [str(p.relative_to(REPO_ROOT)) for p in LINKED[1:] if p.resolve() not in linked]

@@ -1,7 +1,7 @@
 """What both recipes share: their common flags, the start of a run and its end.
 
 Why shared rather than self-contained: the two recipes differ in their data, model and metrics,
-and in nothing else. The end of a run is a contract that tests, ``scripts/bench_recipes.py`` and
+and in nothing else. The end of a run is a contract that tests, the ``recipes`` benchmark and
 users read (``metrics.json`` and its keys, ``training.png``, ``fp16_export/`` with its parity
 report, the summary table, the ``phase_seconds`` names); with a copy in each recipe, every change
 to that contract had to be made twice, identically. Here it is written once, and each recipe
