@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--steps", type=_positive_int, default=4, help="steps per stage")
     doctor.add_argument(
+        "--loss-scale",
+        type=_number(0.0, float("inf"), low_open=True),
+        default=2.0**16,
+        help="the loss scale the run trains at (its logged loss_scale): the AMP stage starts "
+        "there and the gradient-underflow check measures there",
+    )
+    doctor.add_argument(
         "--batch-size",
         type=_positive_int,
         help=f"examples in the batch (default: the config's per_device_train_batch_size, "
@@ -634,7 +641,9 @@ def _run_doctor(args: argparse.Namespace) -> int:
         model = load_model(path)
         batch = _doctor_batch(model, args, path, texts, labels, inputs)
         lr = args.lr if args.lr is not None else _DEFAULT_LR
-    diagnosis = diagnose(model, batch, lr=lr, steps=args.steps, device=args.device)
+    diagnosis = diagnose(
+        model, batch, lr=lr, steps=args.steps, device=args.device, loss_scale=args.loss_scale
+    )
     print(diagnosis)
     if args.json:
         _write_json_atomic(args.json, diagnosis.to_dict())

@@ -10,7 +10,9 @@ rules out one cause:
 3. full AMP with :class:`~amp_trainer.scaler.DynamicLossScaler` watching the model: which
    parameters' gradients are non-finite, by name, and how the loss scale behaves;
 4. rerun at lr/10 (then /100, /1000): "fine for a few steps, then NaN" is usually the learning
-   rate.
+   rate;
+5. when every stage is finite, the scaler's other danger: how much of the gradient FP16 flushes
+   to zero at the run's loss scale (:mod:`amp_trainer.underflow`), "the loss is a flat line".
 
 :func:`diagnose` runs all of them on *copies* of the model (the caller's model, optimizer and
 RNG-free state are untouched) and one batch, with forward hooks (:class:`OverflowProbe`) that name
@@ -48,6 +50,7 @@ from amp_trainer.numerics import (
     describe_module,
     nonfinite_inputs,
 )
+from amp_trainer.underflow import UnderflowReading, measure_underflow
 
 __all__ = [
     "Diagnosis",
@@ -58,6 +61,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# More than this share of the gradient flushed at the run's scale is a verdict, not noise.
+_UNDERFLOW_VERDICT = 0.01
 # lr / 10, / 100, / 1000: the seed says "try lr/10 first"; an absurd lr needs more than one rung.
 _LR_DIVISORS = (10.0, 100.0, 1000.0)
 # A loss that blows up in FP32 is the learning rate for sure: keep going down until it descends
@@ -80,6 +85,7 @@ class Verdict(str, Enum):
     MODEL = "model"
     LEARNING_RATE = "learning_rate"
     FP16_UNFRIENDLY_LAYER = "fp16_unfriendly_layer"
+    GRADIENT_UNDERFLOW = "gradient_underflow"
     UNRESOLVED = "unresolved"
 
 
@@ -164,6 +170,8 @@ class Diagnosis:
     suggestion: str
     culprit: str | None
     stages: tuple[StageResult, ...]
+    #: The underflow check at the run's loss scale (``None`` when the triage stopped earlier).
+    underflow: UnderflowReading | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -176,6 +184,13 @@ class Diagnosis:
             lines.append(f"culprit: {self.culprit}")
         lines.append(f"fix: {self.suggestion}")
         lines += ["stages:"] + [f"  {stage.summary()}" for stage in self.stages]
+        reading = self.underflow
+        if reading is not None and reading.underflow is not None:
+            headroom = "" if reading.headroom is None else f", headroom {reading.headroom:.1f}"
+            lines.append(
+                f"  5. underflow at loss scale {reading.scale:g}: {100 * reading.underflow:.2f}% "
+                f"of the gradient flushed to zero{headroom}"
+            )
         return "\n".join(lines)
 
 
@@ -222,13 +237,18 @@ def _run_stage(
     device: torch.device,
     optimizer_factory: OptimizerFactory,
     loss_fn: LossFn,
+    loss_scale: float = 2.0**16,
 ) -> StageResult:
     from amp_trainer.scaler import DynamicLossScaler
 
     work = copy.deepcopy(model).to(device).float().train()
     optimizer = optimizer_factory(work.parameters(), lr)
     scaler = (
-        DynamicLossScaler(device.type, on_min_scale="clamp").watch(work) if use_scaler else None
+        DynamicLossScaler(
+            device.type, init_scale=loss_scale, min_scale=min(1.0, loss_scale), on_min_scale="clamp"
+        ).watch(work)
+        if use_scaler
+        else None
     )
     fp16 = precision == "fp16"
     limit = FP16_MAX if fp16 else math.inf
@@ -320,6 +340,7 @@ def diagnose(
     steps: int = 4,
     device: str | torch.device | None = None,
     loss_fn: LossFn | None = None,
+    loss_scale: float = 2.0**16,
 ) -> Diagnosis:
     """Run the four-step triage on copies of ``model`` and ``batch`` and return a verdict.
 
@@ -334,6 +355,9 @@ def diagnose(
         device: default CUDA when available, else CPU (CPU autocast FP16 is real in torch >= 2.4,
             though it keeps more ops in FP16 than CUDA's: ``layer_norm`` and ``softmax`` too).
         loss_fn: ``(output, batch) -> loss``; default ``output.loss``.
+        loss_scale: the loss scale the run trains at (its logged ``loss_scale``; default
+            torch's initial 65536): the AMP stage starts there and the underflow check
+            measures there.
 
     The verdicts, in the order they are tested:
     ``DATA`` (the batch itself holds inf/NaN), ``MODEL`` (pure FP32 fails before any update:
@@ -343,7 +367,8 @@ def diagnose(
     the FP16 stages show; a smaller lr is only suggested when its loss goes down),
     ``FP16_UNFRIENDLY_LAYER`` (FP32 is clean, FP16 overflows in the very first forward, or
     later at every lr tried), ``UNRESOLVED`` (FP32 fails after some updates at every lr tried),
-    ``HEALTHY``.
+    ``GRADIENT_UNDERFLOW`` (every stage is finite, but at ``loss_scale`` more than 1 % of the
+    gradient is flushed to zero by FP16), ``HEALTHY``.
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
@@ -353,6 +378,12 @@ def diagnose(
         or not (lr > 0 and math.isfinite(lr))
     ):
         raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    if (
+        isinstance(loss_scale, bool)
+        or not isinstance(loss_scale, (int, float))
+        or not (0 < loss_scale < math.inf)
+    ):
+        raise ValueError(f"loss_scale must be a positive finite number, got {loss_scale!r}")
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping of keyword inputs, got {type(batch).__name__}")
     dev = (
@@ -366,6 +397,7 @@ def diagnose(
         "device": dev,
         "optimizer_factory": optimizer_factory or _default_optimizer,
         "loss_fn": loss_fn or _default_loss,
+        "loss_scale": float(loss_scale),
     }
     fp32 = _run_stage("1. fp32", model, batch, precision="fp32", use_scaler=False, lr=lr, **common)
     stages = [fp32]
@@ -485,6 +517,9 @@ def diagnose(
             **common,
         )
     )
+    reading = _underflow_reading(model, batch, common)
+    if reading.underflow is not None and reading.underflow > _UNDERFLOW_VERDICT:
+        return _underflow_diagnosis(reading, tuple(stages))
     return Diagnosis(
         Verdict.HEALTHY,
         f"no inf/NaN in {steps} step(s) of pure FP32, FP16 autocast and full AMP; loss scale "
@@ -493,6 +528,48 @@ def diagnose(
         "where it happens, with more steps.",
         None,
         tuple(stages),
+        reading,
+    )
+
+
+def _underflow_reading(
+    model: nn.Module, batch: Mapping[str, Any], common: Mapping[str, Any]
+) -> UnderflowReading:
+    """Stage 5: the share of the first step's gradient FP16 flushes at the run's loss scale."""
+    device = common["device"]
+    work = copy.deepcopy(model).to(device).float().train()
+    with torch.autocast(device.type, dtype=torch.float16):
+        loss = common["loss_fn"](work(**batch), batch)
+    return measure_underflow(loss, work, common["loss_scale"])
+
+
+def _underflow_diagnosis(reading: UnderflowReading, stages: tuple[StageResult, ...]) -> Diagnosis:
+    worst = sorted(reading.by_param.items(), key=lambda item: -item[1])[:3]
+    where = ", ".join(f"{name} {100 * share:.0f}%" for name, share in worst)
+    fix_scale = reading.fixing_scale
+    if reading.fixable and fix_scale is not None:
+        fix = (
+            f"Train at a loss scale of about {fix_scale:g}: start there "
+            f"(loss_scale_init={fix_scale:g} / DynamicLossScaler(init_scale={fix_scale:g})), or "
+            "let the scale grow out of it (loss_scale_grow_on_underflow=True / "
+            "grow_on_underflow=True). Without loss scaling at all (autocast alone), enable it."
+        )
+    else:
+        fix = (
+            "No FP16 loss scale holds both ends of this gradient: the largest would overflow "
+            f"before the smallest stop flushing (best: {fix_scale:g}). Train in bf16 (FP32's "
+            "exponent range), or rescale the loss."
+        )
+    return Diagnosis(
+        Verdict.GRADIENT_UNDERFLOW,
+        f"every stage is finite, but at loss scale {reading.scale:g} FP16 flushes "
+        f"{100 * reading.underflow:.1f}% of the gradient to zero ({reading.flushed} of "
+        f"{reading.nonzero} elements that a higher scale keeps; most: {where}): those "
+        "parameters barely learn, and the loss looks like a flat line.",
+        fix,
+        worst[0][0] if worst else None,
+        stages,
+        reading,
     )
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -84,7 +83,7 @@ class UnderflowReading:
     fixing_scale: float | None = None
     fixable: bool = True
     fp16_gradients: bool = True
-    by_param: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    by_param: Mapping[str, float] = field(default_factory=dict)
 
 
 def _named(params: nn.Module | Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
@@ -222,7 +221,7 @@ def measure_underflow(
         fixing_scale=fixing,
         fixable=fixable,
         fp16_gradients=fp16_seen,
-        by_param=MappingProxyType(by_param),
+        by_param=by_param,
     )
 
 

@@ -142,3 +142,63 @@ def test_probe_names_the_innermost_module_that_made_the_overflow_not_those_downs
     assert probe.first == "1.0"
     assert {"0", "1", "1.0", "1.1", "2", ""} <= probe.called
     assert not any(m._forward_hooks for m in model.modules())  # removed on exit
+
+
+def _tiny_loss(output, batch):
+    return output.loss * 1e-4  # gradients far below FP16's range at a small loss scale
+
+
+def test_gradients_flushed_at_the_runs_loss_scale_are_gradient_underflow():
+    diagnosis = diagnose(make_tiny_bert(), bert_batch(), steps=2, loss_fn=_tiny_loss, loss_scale=1)
+    assert diagnosis.verdict is Verdict.GRADIENT_UNDERFLOW
+    reading = diagnosis.underflow
+    assert reading.scale == 1.0 and reading.underflow > 0.5
+    assert reading.fixable and reading.fixing_scale >= 2.0**10
+    assert f"{reading.fixing_scale:g}" in diagnosis.suggestion
+    assert "grow_on_underflow=True" in diagnosis.suggestion
+    assert diagnosis.culprit in reading.by_param
+    assert "5. underflow at loss scale 1:" in str(diagnosis)
+
+
+def test_the_same_gradients_at_the_scale_the_doctor_names_are_healthy():
+    first = diagnose(make_tiny_bert(), bert_batch(), steps=2, loss_fn=_tiny_loss, loss_scale=1)
+    fixed = diagnose(
+        make_tiny_bert(),
+        bert_batch(),
+        steps=2,
+        loss_fn=_tiny_loss,
+        loss_scale=first.underflow.fixing_scale,
+    )
+    assert fixed.verdict is Verdict.HEALTHY
+    assert fixed.underflow.underflow <= 0.01
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("healthy", Verdict.HEALTHY),
+        ("underflow", Verdict.GRADIENT_UNDERFLOW),
+        ("data", Verdict.DATA),
+        ("model", Verdict.MODEL),
+        ("learning_rate", Verdict.LEARNING_RATE),
+        ("fp16_layer", Verdict.FP16_UNFRIENDLY_LAYER),
+    ],
+)
+def test_each_provoked_cause_gets_its_own_verdict_and_no_other(case, expected):
+    """One cause of each kind, provoked for real; the underflow check never masks the others
+    and none of them reads as underflow."""
+    model, batch, kwargs = make_tiny_bert(), bert_batch(), {"steps": 2}
+    if case == "underflow":
+        kwargs.update(loss_fn=_tiny_loss, loss_scale=1)
+    elif case == "data":
+        batch = {**batch, "attention_mask": batch["attention_mask"].float()}
+        batch["attention_mask"][0, 0] = float("nan")
+    elif case == "model":
+        model = ConstantInputNorm()
+        batch = {"features": torch.ones(4, 8), "labels": torch.tensor([0, 1, 0, 1])}
+    elif case == "learning_rate":
+        kwargs.update(lr=100.0, steps=3)
+    elif case == "fp16_layer":
+        with torch.no_grad():
+            model.bert.encoder.layer[0].intermediate.dense.weight.mul_(5e5)
+    assert diagnose(model, batch, **kwargs).verdict is expected
