@@ -200,6 +200,7 @@ class _LossScaleMonitor(TrainerCallback):
         self._trainer = trainer
         self._scale_before_step = 1.0
         self._skips_in_a_row = 0
+        self._reading_seen: Any = None  # the last underflow reading a step end has seen
 
     def on_step_begin(self, args, state, control, **kwargs):
         """Ask the scaler to measure underflow on this step's first loss, every
@@ -214,6 +215,15 @@ class _LossScaleMonitor(TrainerCallback):
         done = getattr(state, "optimizer_step_attempts", None) or state.global_step
         if done % interval == 0 or scaler.underflow_recheck_due:
             scaler.request_underflow_check(trainer.model)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Log on a step that measured underflow, so the figures land on the step they are of."""
+        scaler = self._trainer.loss_scaler
+        reading = None if scaler is None else scaler.last_underflow
+        if reading is not None and reading is not self._reading_seen:
+            self._reading_seen = reading
+            if args.logging_strategy == "steps":
+                control.should_log = True
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._skips_in_a_row = 0

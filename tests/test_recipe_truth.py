@@ -137,3 +137,17 @@ def test_activation_memory_saved_against_fp32_is_reported(bert_run):
     assert 0.4 < saved["fp16_over_fp32"] < 0.95  # FP16 activations, FP32 norms and masks
     shown = table_value(output, "activation memory fp16 / fp32 (saved for backward)")
     assert shown.startswith(f"{saved['fp16_over_fp32']:.2f}x")
+
+
+def test_the_underflow_check_is_the_same_in_summary_metrics_and_log(bert_run):
+    """The recipe's first step is checked: one figure, the same in all three places."""
+    out, output = bert_run
+    checks = json.loads((out / "metrics.json").read_text())["underflow_checks"]
+    assert [c["step"] for c in checks] == [1]
+    share = checks[0]["grad_underflow"]
+    assert 0.0 <= share <= 1.0
+    assert last_logged(output, "grad_underflow") == pytest.approx(share, rel=1e-3, abs=1e-6)
+    assert table_value(output, "gradient underflow (last check)").startswith(
+        f"{100 * share:.2f}%, headroom {checks[0]['grad_headroom']:.1f} doublings (step 1; "
+        "1 check(s))"
+    )

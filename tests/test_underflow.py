@@ -256,3 +256,26 @@ def test_the_default_rule_ignores_the_meter():
     scaler = DynamicLossScaler("cpu", init_scale=1.0)
     assert scaler.policy.on_underflow(0.9, fixing_scale=2.0**20, headroom=30.0) is False
     assert scaler.get_scale() == 1.0
+
+
+def test_a_check_is_logged_on_its_own_step_and_drawn_in_the_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from amp_trainer.recipes.reporting import (
+        UNDERFLOW_LABEL,
+        describe_underflow,
+        training_figure,
+    )
+
+    trainer = _train(tmp_path, "plot", loss_scale_underflow_check_interval=4, logging_steps=3)
+    checks = [h for h in trainer.state.log_history if "grad_underflow" in h]
+    assert [h["step"] for h in checks] == [1, 5]  # not at the next logging step (3, 6)
+    last = trainer.loss_scaler.last_underflow
+    assert checks[-1]["grad_underflow"] == last.underflow
+    assert describe_underflow(trainer.state.log_history).startswith(
+        f"{100 * last.underflow:.2f}%, headroom {last.headroom:.1f} doublings (step 5; 2 check(s))"
+    )
+    figure = training_figure(trainer.state.log_history, trainer.scale_history, precision="fp16")
+    meter = figure.axes[2]
+    (line,) = [ln for ln in meter.get_lines() if ln.get_label() == UNDERFLOW_LABEL]
+    assert list(line.get_xdata()) == [1, 5]
+    assert list(line.get_ydata()) == [100 * h["grad_underflow"] for h in checks]

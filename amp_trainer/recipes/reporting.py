@@ -26,11 +26,14 @@ from amp_trainer.atomic_files import atomic_path
 
 __all__ = [
     "FORWARD_OVERFLOW_LABEL",
+    "HEADROOM_LABEL",
     "SKIPPED_STEP_LABEL",
+    "UNDERFLOW_LABEL",
     "LossScaleSummary",
     "accuracy_against_majority",
     "activation_memory",
     "describe_activation_memory",
+    "describe_underflow",
     "first_batch",
     "format_table",
     "lora_base_hint",
@@ -207,7 +210,24 @@ def peak_memory(device: torch.device | str) -> dict[str, float | None]:
 #: the module that overflowed computes in FP32 from then on), so they are drawn apart.
 SKIPPED_STEP_LABEL = "skipped step (gradient overflow: scale backed off)"
 FORWARD_OVERFLOW_LABEL = "forward overflow (FP32 island added)"
+UNDERFLOW_LABEL = "gradient flushed to zero by FP16 (grad_underflow)"
+HEADROOM_LABEL = "doublings of scale left (grad_headroom)"
 _FORWARD_OVERFLOW_NO_ISLAND_LABEL = "forward overflow (no island added)"
+
+
+def describe_underflow(log_history: Iterable[Mapping[str, Any]]) -> str | None:
+    """The summary's underflow cell: the last check's share of the gradient flushed to zero by
+    FP16 and its headroom, with the step and how many checks the run made (``None``: none)."""
+    checks = [e for e in log_history if "grad_underflow" in e or "grad_headroom" in e]
+    if not checks:
+        return None
+    last = checks[-1]
+    share = last.get("grad_underflow")
+    headroom = last.get("grad_headroom")
+    parts = ["not measured (the step overflowed)" if share is None else f"{100 * share:.2f}%"]
+    if headroom is not None:
+        parts.append(f"headroom {headroom:.1f} doublings")
+    return f"{', '.join(parts)} (step {last.get('step')}; {len(checks)} check(s))"
 
 
 def training_figure(
@@ -231,8 +251,14 @@ def training_figure(
     logs = list(log_history)
     train = [(e["step"], e["loss"]) for e in logs if "loss" in e and "step" in e]
     evals = [(e["step"], e["eval_loss"]) for e in logs if "eval_loss" in e and "step" in e]
+    underflow = [(e["step"], e["grad_underflow"]) for e in logs if "grad_underflow" in e]
+    headroom = [(e["step"], e["grad_headroom"]) for e in logs if "grad_headroom" in e]
 
-    if scale_history:
+    meter_ax = None
+    if scale_history and (underflow or headroom):
+        figure = Figure(figsize=(8, 8), layout="constrained")
+        loss_ax, scale_ax, meter_ax = figure.subplots(3, 1, sharex=True)
+    elif scale_history:
         figure = Figure(figsize=(8, 6), layout="constrained")
         loss_ax, scale_ax = figure.subplots(2, 1, sharex=True)
     else:
@@ -287,9 +313,27 @@ def training_figure(
             scale_ax.scatter(*zip(*points), zorder=3, **style)
     scale_ax.set_yscale("log", base=2)
     scale_ax.legend(fontsize="small")
-    scale_ax.set_xlabel("optimizer step")
     scale_ax.set_ylabel("loss scale")
     scale_ax.grid(alpha=0.3)
+    if meter_ax is None:
+        scale_ax.set_xlabel("optimizer step")
+        return figure
+    if underflow:
+        meter_ax.plot(
+            [s for s, _ in underflow], [100 * v for _, v in underflow], marker="o",
+            label=UNDERFLOW_LABEL,
+        )  # fmt: skip
+    meter_ax.set_ylabel("% flushed to zero")
+    meter_ax.set_xlabel("optimizer step")
+    meter_ax.grid(alpha=0.3)
+    handles, labels = meter_ax.get_legend_handles_labels()
+    if headroom:
+        room_ax = meter_ax.twinx()
+        room_ax.plot(*zip(*headroom), marker="s", color="tab:green", label=HEADROOM_LABEL)
+        room_ax.set_ylabel("headroom (doublings)")
+        more = room_ax.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    meter_ax.legend(handles, labels, fontsize="small")
     return figure
 
 

@@ -62,6 +62,7 @@ from amp_trainer.recipes.reporting import (
     LossScaleSummary,
     activation_memory,
     describe_activation_memory,
+    describe_underflow,
     first_batch,
     format_table,
     lora_base_hint,
@@ -407,6 +408,12 @@ class RecipeRun:
             "train": train_result.metrics,
             **results,
             "loss_scale": None if scale is None else scale.__dict__,
+            # Every underflow check of the run, as logged (grad_underflow, grad_headroom).
+            "underflow_checks": [
+                {k: e[k] for k in ("step", "grad_underflow", "grad_headroom") if k in e}
+                for e in trainer.state.log_history
+                if "grad_underflow" in e or "grad_headroom" in e
+            ],
             "tokens_per_second": tokens_per_s,
             "memory": memory,
             "fp16_export_passed": report.passed,
@@ -434,6 +441,10 @@ class RecipeRun:
             ("loss scale min", None if scale is None else f"{scale.minimum:.10g}"),
             ("skipped steps", None if scale is None else scale.skipped),
             ("of them forward overflows -> FP32 islands", _describe_islands(scale)),
+            (
+                "gradient underflow (last check)",
+                describe_underflow(trainer.state.log_history),
+            ),
             ("tokens/s (train)", tokens_per_s),
             ("train time s", runtime),
             ("wall time s", wall),
