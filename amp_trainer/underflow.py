@@ -173,10 +173,11 @@ def measure_underflow(
         hi = max(1, min(hi, math.floor(headroom) + 1))
     hi = min(hi, math.floor(math.log2(3.0e38 / scale)) + 1)
     reference, doublings = None, 0
-    for _ in range(_REFERENCE_TRIES):
+    for attempt in range(_REFERENCE_TRIES):
         if hi - lo <= 1:
             break
-        trial = hi - 1 if reference is None and lo == 0 else (lo + hi) // 2
+        # First the highest the headroom promises (it usually holds), then bisect.
+        trial = hi - 1 if attempt == 0 else (lo + hi) // 2
         candidate = _grads(loss, tensors, scale * 2.0**trial)
         if _finite(candidate):
             reference, doublings, lo = candidate, trial, trial
@@ -191,6 +192,7 @@ def measure_underflow(
 
     reference_scale = scale * 2.0**doublings
     flushed_total = nonzero_total = 0
+    largest_ref = 0.0
     by_param: dict[str, float] = {}
     # log2 magnitudes of the nonzero reference elements (unscaled), for the fixing scale.
     exponents = torch.zeros(400, dtype=torch.float64)
@@ -202,6 +204,11 @@ def measure_underflow(
             count = int(nonzero.sum())
             if not count:
                 continue
+            values = _fp16_values(ref)
+            if values > 0:
+                # At S most of it may be flushed, too little to show FP16; at S_ref it shows.
+                largest_ref = max(largest_ref, float(ref.abs().max()))
+                fp16_seen = fp16_seen or values >= _FP16_EVIDENCE
             flushed = int((nonzero & zero).sum()) if zero is not None else count
             flushed_total += flushed
             nonzero_total += count
@@ -210,6 +217,8 @@ def measure_underflow(
             _, exp = torch.frexp(true)
             exponents += torch.bincount((exp.flatten() + 200).clamp(0, 399).cpu(), minlength=400)
     underflow = flushed_total / nonzero_total if nonzero_total else 0.0
+    if headroom is None and fp16_seen and largest_ref > 0:
+        headroom = math.log2(FP16_MAX * 2.0**doublings / largest_ref)
     fixing, fixable = _fixing_scale(exponents, scale, headroom)
     return UnderflowReading(
         scale=scale,

@@ -279,3 +279,17 @@ def test_a_check_is_logged_on_its_own_step_and_drawn_in_the_plot(tmp_path):
     (line,) = [ln for ln in meter.get_lines() if ln.get_label() == UNDERFLOW_LABEL]
     assert list(line.get_xdata()) == [1, 5]
     assert list(line.get_ydata()) == [100 * h["grad_underflow"] for h in checks]
+
+
+def test_a_gradient_flushed_whole_at_the_scale_still_reads_as_fp16_not_as_no_fp16(caplog):
+    """At S=1 almost every element of this MLP's gradient is zero: too little left at S to show
+    FP16 values; the higher-scale backward shows them, so no false 'no FP16' warning."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y) * 1e-6
+    reading = DynamicLossScaler("cpu", init_scale=1.0).check_underflow(loss, model)
+    assert reading.fp16_gradients and reading.headroom is not None
+    assert reading.underflow > 0.5 and reading.reference_scale >= 2.0**16
+    assert not [r for r in caplog.records if "no gradient went through FP16" in r.getMessage()]
