@@ -351,6 +351,7 @@ class AmpTrainerMixin(Trainer):
         self._forward_overflow: ForwardOverflowGuard | None = None
         super().__init__(*args, **kwargs)
         self._place_loss_scale_monitor()
+        self._tensorboard_under_output_dir()
         self._checkpoints.take_over_jit_checkpoint()
 
         stock = self.model_accepts_loss_kwargs
@@ -396,6 +397,22 @@ class AmpTrainerMixin(Trainer):
         self._apply_precision_policy(self.model)
         if hasattr(self, "callback_handler"):  # again for a hyperparameter-search trial
             self._place_loss_scale_monitor()
+
+    def _tensorboard_under_output_dir(self) -> None:
+        """Give TensorBoard's callback its folder now, under ``output_dir``.
+
+        Stock ``TensorBoardCallback`` picks ``output_dir/runs/<date>_<host>`` only in
+        ``on_train_begin``; anything logged before it (an ``evaluate()`` of the untrained model,
+        as the GPT-2 recipe does) opens a writer with no folder, i.e. ``./runs/...`` of the
+        current directory, and training then writes there too: ``tensorboard --logdir
+        output_dir`` showed no loss scale. ``TENSORBOARD_LOGGING_DIR`` still wins, as in stock.
+        """
+        from transformers.integrations import TensorBoardCallback
+        from transformers.integrations.integration_utils import default_logdir
+
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+                callback.logging_dir = os.path.join(self.args.output_dir, default_logdir())
 
     def _place_loss_scale_monitor(self) -> None:
         """Put :class:`_LossScaleMonitor` in the callback list only where it has work to do.
