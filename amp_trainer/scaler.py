@@ -85,9 +85,11 @@ class ScalerStats:
 
     ``steps`` counts :meth:`DynamicLossScaler.update` calls (optimizer steps attempted), ``skipped``
     those whose gradients were non-finite, ``overflow_streak`` the current run of consecutive
-    overflowing steps. ``last_overflow_params`` names the parameters with non-finite gradients on
-    the most recent overflow step (names when :meth:`~DynamicLossScaler.watch` was called,
-    positional labels otherwise; empty when nothing was attributed).
+    overflowing steps. ``backoffs`` counts the times the scale really went down: a forward
+    overflow's backoff, undone by the guard, is not one. ``last_overflow_params`` names the
+    parameters with non-finite gradients on the most recent overflow step (names when
+    :meth:`~DynamicLossScaler.watch` was called, positional labels otherwise; empty when nothing
+    was attributed).
     """
 
     scale: float
@@ -655,6 +657,16 @@ class DynamicLossScaler:
         if not self._warned_this_streak:
             logger.warning("%s Skipping steps until the gradients are finite again.", message)
             self._warned_this_streak = True
+
+    def undo_backoff(self, scale: float) -> None:
+        """Put back ``scale``, the scale the last step ran with, if :meth:`update` backed off for
+        an overflow no loss scale can fix (a forward overflow: the loss was inf/NaN before
+        scaling), and take that backoff out of ``stats.backoffs``. The step stays skipped and
+        counted as such. Does nothing when the scale did not go down."""
+        if self._enabled and self.policy.undo_backoff(scale):
+            # As update(new_scale=...): a scale set between iterations starts the next afresh.
+            self._per_optimizer.clear()
+            self._carried = False
 
     # ----------------------------------------------------------------------------------------
     # checkpointing

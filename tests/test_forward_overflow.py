@@ -6,6 +6,7 @@ every token while it is finite in FP32, the case the seed calls the commonest "l
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -199,6 +200,24 @@ def test_islands_added_in_training_are_in_checkpoints_and_come_back_on_resume(tm
     assert is_fp32_island(fresh.get_submodule(WO))
     after_resume = [e for e in resumed.scale_history if e["step"] > 2]
     assert after_resume and not any(e["skipped"] for e in after_resume)
+
+
+# --------------------------------------------------------------------------------------------
+# the figures of a forward-overflow step: logged loss, backoffs, what overflowed
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("policy", "backoffs"), [("fp32", 0), ("skip", 3)])
+def test_backoffs_count_only_the_times_the_scale_went_down(tmp_path, policy, backoffs):
+    trainer = AmpTrainer(
+        model=make_overflowing_t5(),
+        args=tiny_training_args(tmp_path, max_steps=3, on_forward_overflow=policy),
+        train_dataset=ToySeq2Seq(),
+    )
+    trainer.train()
+    scales = [e["scale"] for e in trainer.scale_history] + [trainer.loss_scaler.get_scale()]
+    went_down = sum(after < before for before, after in itertools.pairwise(scales))
+    stats = trainer.loss_scaler.stats
+    assert stats.backoffs == went_down == backoffs  # a forward overflow's undone backoff is none
+    assert stats.skipped == sum(e["skipped"] for e in trainer.scale_history) >= 1
 
 
 # --------------------------------------------------------------------------------------------

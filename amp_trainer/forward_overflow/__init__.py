@@ -35,9 +35,10 @@ was non-finite it is a forward overflow, and the guard:
    step is skipped and the scale backs off, as before).
 
 Under ``"fp32"`` and ``"raise"`` a forward overflow does not back the scale off: the guard puts
-back the scale the step ran with (``scaler.update(new_scale=...)``). The step itself stays skipped
-(its gradients are inf) and is counted as such. With ``hysteresis > 1`` the forward overflow
-still uses up one tolerated overflow.
+back the scale the step ran with and the backoff is not counted
+(:meth:`~amp_trainer.scaler.DynamicLossScaler.undo_backoff`). The step itself stays skipped (its
+gradients are inf) and is counted as such. With ``hysteresis > 1`` the forward overflow still
+uses up one tolerated overflow.
 
 In a plain Accelerate loop,
 :meth:`amp_trainer.accelerate_hooks.AmpAccelerator.check_forward_overflow` is the entry
@@ -243,10 +244,9 @@ class ForwardOverflowGuard:
                 return None
         elif not bad:
             return None  # a gradient overflow: the scaler's backoff was right
-        if self.scaler.get_scale() < scale_before:
-            # Loss scaling cannot fix a forward overflow: undo the backoff it caused.
-            self.scaler.update(new_scale=scale_before)
-            self._scale = scale_before
+        # Loss scaling cannot fix a forward overflow: undo the backoff it caused.
+        self.scaler.undo_backoff(scale_before)
+        self._scale = self.scaler.get_scale()
         if group is False:
             event = self.rerun.handle(self._steps, bad[0])
         else:
