@@ -220,6 +220,23 @@ def test_backoffs_count_only_the_times_the_scale_went_down(tmp_path, policy, bac
     assert stats.skipped == sum(e["skipped"] for e in trainer.scale_history) >= 1
 
 
+def test_a_forward_overflow_names_the_module_made_an_island_not_every_parameter(tmp_path):
+    trainer = AmpTrainer(
+        model=make_overflowing_t5(),
+        args=tiny_training_args(tmp_path, max_steps=2),
+        train_dataset=ToySeq2Seq(),
+    )
+    trainer.train()
+    assert trainer.scale_history[0]["fp32_islands"] == [WO]
+    stats = trainer.loss_scaler.stats
+    assert stats.last_forward_overflow_modules == (WO,)
+    assert stats.last_overflow_params == ()  # every gradient was NaN: they name nothing
+    saved = trainer.loss_scaler.state_dict()
+    fresh = DynamicLossScaler("cpu")
+    fresh.load_state_dict(saved)
+    assert fresh.stats.last_forward_overflow_modules == (WO,)
+
+
 # --------------------------------------------------------------------------------------------
 # a plain loop and a plain Accelerate loop
 # --------------------------------------------------------------------------------------------

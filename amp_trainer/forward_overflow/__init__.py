@@ -38,7 +38,9 @@ Under ``"fp32"`` and ``"raise"`` a forward overflow does not back the scale off:
 back the scale the step ran with and the backoff is not counted
 (:meth:`~amp_trainer.scaler.DynamicLossScaler.undo_backoff`). The step itself stays skipped (its
 gradients are inf) and is counted as such. With ``hysteresis > 1`` the forward overflow still
-uses up one tolerated overflow.
+uses up one tolerated overflow. Its gradients name no parameter (every one is non-finite):
+``scaler.stats.last_overflow_params`` is emptied and ``last_forward_overflow_modules`` names the
+module(s) found (:meth:`~amp_trainer.scaler.DynamicLossScaler.record_forward_overflow`).
 
 In a plain Accelerate loop,
 :meth:`amp_trainer.accelerate_hooks.AmpAccelerator.check_forward_overflow` is the entry
@@ -247,10 +249,16 @@ class ForwardOverflowGuard:
         # Loss scaling cannot fix a forward overflow: undo the backoff it caused.
         self.scaler.undo_backoff(scale_before)
         self._scale = self.scaler.get_scale()
-        if group is False:
-            event = self.rerun.handle(self._steps, bad[0])
-        else:
-            event = self._handle_on_every_rank(bad[0] if bad else None, group)
+        found: tuple[str, ...] = ()
+        try:
+            if group is False:
+                event = self.rerun.handle(self._steps, bad[0])
+            else:
+                event = self._handle_on_every_rank(bad[0] if bad else None, group)
+            found = event.islands or ((event.module,) if event.module else ())
+        finally:
+            # Every gradient was non-finite because the loss was: the module(s) say more.
+            self.scaler.record_forward_overflow(found)
         self.events.append(event)
         return event
 
