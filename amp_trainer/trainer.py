@@ -76,6 +76,7 @@ from amp_trainer.accelerate_hooks import clip_grad_norm_in_one_pass, install_sca
 from amp_trainer.checkpointing import CheckpointKeeper
 from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import apply_fp32_policy, recorded_fp32_islands, restore_fp32_islands
+from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
 from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
@@ -204,6 +205,7 @@ class _LossScaleMonitor(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._skips_in_a_row = 0
         trainer = self._trainer
+        trainer._overflow_step_loss.start()
         if trainer.loss_scaler is not None and trainer.model is not None:
             # Sharding in train()'s prepare (Accelerate's FSDP2) replaced the parameter objects
             # the scaler watched; their names stay, so watching again keeps overflows named.
@@ -228,6 +230,7 @@ class _LossScaleMonitor(TrainerCallback):
         if forward is not None:
             # Not a gradient overflow: the plot and the summary show it as its own kind of event.
             entry["fp32_islands"] = list(forward.islands)
+            self._trainer._overflow_step_loss.record(forward)  # its logged loss: the FP32 re-run's
         _record_scale_step(self._trainer.scale_history, entry, int(sample_every or 0))
         self._trainer._last_step_skipped = skipped
         if skipped and forward is None:  # a forward overflow was reported as such already
@@ -324,6 +327,7 @@ class AmpTrainerMixin(Trainer):
         self._checkpoints = CheckpointKeeper(self)
         self._last_step_skipped = False
         self._forward_overflow: ForwardOverflowGuard | None = None
+        self._overflow_step_loss = OverflowStepLoss()
         super().__init__(*args, **kwargs)
         self._place_loss_scale_monitor()
         self._checkpoints.take_over_jit_checkpoint()
@@ -504,7 +508,16 @@ class AmpTrainerMixin(Trainer):
             logs["step_skipped"] = int(self._last_step_skipped)
             if self._forward_overflow is not None:
                 logs["fp32_islands_added"] = len(self._forward_overflow.islands)
+            self._overflow_step_loss.add_to(logs)
         super().log(logs, start_time)
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Stock logging, with a forward-overflow step's loss its FP32 re-run's, not stock's 0.0
+        (``tr_loss`` is stock's on-device loss sum; see :mod:`amp_trainer.overflow_step_loss`)."""
+        self._overflow_step_loss.correct(tr_loss)
+        super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
+        if self._forward_overflow is not None:
+            self._overflow_step_loss.remember(tr_loss)
 
     # -- checkpoints and resume: the behaviour is amp_trainer.checkpointing's ----------------
     def train(

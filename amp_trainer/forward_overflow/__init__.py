@@ -76,6 +76,7 @@ Example (any loop)::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -259,6 +260,7 @@ class ForwardOverflowGuard:
         finally:
             # Every gradient was non-finite because the loss was: the module(s) say more.
             self.scaler.record_forward_overflow(found)
+        event = dataclasses.replace(event, step_losses=self.detector.losses)
         self.events.append(event)
         return event
 
@@ -274,10 +276,12 @@ class ForwardOverflowGuard:
             None,
             [],
         )
+        loss: float | None = None  # this rank's FP32 re-run's
         if inputs is not None:
             try:
                 found = self.rerun.handle(self._steps, inputs)
                 local = (found.module, list(found.islands), None, None, list(found.evidence))
+                loss = found.loss
             except (NonFiniteForwardError, LossScaleError, DivergenceError) as err:
                 local = (None, [], type(err).__name__, str(err), [])
         gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -294,7 +298,7 @@ class ForwardOverflowGuard:
         if missing:
             self.rerun.make_islands(missing)
         return ForwardOverflow(
-            self._steps, module, tuple(union), self.policy, bool(evidence), evidence
+            self._steps, module, tuple(union), self.policy, bool(evidence), evidence, loss
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from torch import nn
 from amp_trainer.numerics import FP16_MAX, OverflowProbe, all_finite, iter_tensors
 from amp_trainer.scaler import DynamicLossScaler
 
-__all__ = ["ForwardOverflowDetector", "Located", "OverflowLocator"]
+__all__ = ["ForwardOverflowDetector", "Located", "OverflowLocator", "has_parameters", "loss_value"]
 
 
 class ForwardOverflowDetector:
@@ -40,6 +40,8 @@ class ForwardOverflowDetector:
     def __init__(self, scaler: DynamicLossScaler) -> None:
         self.scaler = scaler
         self._pending: list[tuple[torch.Tensor, Any]] = []
+        #: The losses of the last step :meth:`overflowing_inputs` read back, as observed.
+        self.losses: tuple[float, ...] = ()
 
     def observe(self, loss: torch.Tensor, inputs: Any = None) -> None:
         """Remember one micro-batch's detached loss and its inputs. No device sync."""
@@ -50,15 +52,23 @@ class ForwardOverflowDetector:
         self._pending = []
 
     def overflowing_inputs(self) -> list[Any]:
-        """The inputs of the step's micro-batches whose loss was non-finite, then forget them.
+        """The inputs of the step's micro-batches whose loss was non-finite, then forget them;
+        their loss values go to :attr:`losses`.
 
         One device-to-host transfer for all of them; call it on skipped steps only.
         """
         pending, self._pending = self._pending, []
+        self.losses = ()
         if not pending:
             return []
-        finite = torch.stack([torch.isfinite(v.float()).all() for v, _ in pending]).cpu()
-        return [inputs for (_, inputs), ok in zip(pending, finite.tolist()) if not ok]
+        read = torch.stack(
+            [
+                torch.stack([torch.isfinite(v.float()).all().float(), v.float().mean()])
+                for v, _ in pending
+            ]
+        ).tolist()
+        self.losses = tuple(value for _, value in read)
+        return [inputs for (_, inputs), (ok, _) in zip(pending, read) if not ok]
 
     def group(self) -> Any:
         """The process group the ranks agree over (``None`` for the default one); ``False``
@@ -89,6 +99,7 @@ class Located:
     culprit: str | None  # the module to blame: ``first``, or its input's producer
     output_finite: bool
     over_range: list[str]  # modules with parameters out of FP16's range (FP32 run only)
+    loss: float | None = None  # the output's loss (it, or its ``loss``), when it has one
 
 
 class OverflowLocator:
@@ -126,7 +137,19 @@ class OverflowLocator:
             culprit = self._producers.producer_of.get(culprit) or _enclosing_with_parameters(
                 self.model, culprit
             )
-        return Located(first, culprit, all_finite(output), self._producers.over_range)
+        return Located(
+            first, culprit, all_finite(output), self._producers.over_range, loss_value(output)
+        )
+
+
+def loss_value(output: Any) -> float | None:
+    """The loss a re-run's output holds: the output itself when it is a one-element tensor (a
+    forward returning the loss, as the Trainer's does), else its ``loss`` (a transformers
+    ``ModelOutput`` or a mapping); ``None`` when it has none."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", output)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return float(loss.detach().float().item())
+    return None
 
 
 def has_parameters(module: nn.Module) -> bool:

@@ -76,6 +76,10 @@ class ForwardOverflow:
     islands for it (policy ``"fp32"``), ``step`` the guard's count of optimizer steps when it
     happened (1-based). ``diverging`` says the overflow was judged divergence
     (``on_divergence="warn"``; no islands then), ``evidence`` why.
+
+    ``loss`` is the loss of the batch's pure-FP32 re-run (what the step's loss was, computed
+    where FP16 could not overflow), ``None`` when there was no FP32 re-run or it had no loss;
+    ``step_losses`` the step's micro-batch losses as observed (this rank's; inf/NaN included).
     """
 
     step: int
@@ -84,6 +88,8 @@ class ForwardOverflow:
     policy: str
     diverging: bool = False
     evidence: tuple[str, ...] = ()
+    loss: float | None = None
+    step_losses: tuple[float, ...] = ()
 
 
 def _exactly(name: str) -> re.Pattern[str]:
@@ -158,24 +164,27 @@ class ForwardRerun:
         added: list[str] = []
         first: str | None = None
         at_once: list[str] = []
+        loss: float | None = None  # the FP32 re-run's
         for _ in range(_MAX_ISLANDS_PER_STEP):
             found = self.run(inputs, fp16=True)
             culprit = found.culprit
             if culprit is None:
-                self._no_culprit(step, inputs, found, first)
+                fp32_loss = self._no_culprit(step, inputs, found, first)
+                if first is None:
+                    loss = fp32_loss
                 break
             if first is None:
                 first = culprit
                 fp32 = self.run(inputs, fp16=False)
-                at_once = fp32.over_range
+                at_once, loss = fp32.over_range, fp32.loss
                 evidence = self.judge.evidence(culprit, at_once)
                 if evidence:
-                    return self._diverging(step, culprit, evidence)
+                    return self._diverging(step, culprit, evidence, (), loss)
                 self._raise_if_fp32_fails(step, fp32, culprit)
             else:
                 evidence = self.judge.evidence(culprit, at_once)
                 if evidence:
-                    return self._diverging(step, culprit, evidence, tuple(added))
+                    return self._diverging(step, culprit, evidence, tuple(added), loss)
             if self.policy == "raise":
                 raise LossScaleError(
                     f"Step {step}: forward overflow in "
@@ -209,10 +218,13 @@ class ForwardRerun:
                 step,
                 _MAX_ISLANDS_PER_STEP,
             )
-        return ForwardOverflow(step, first, tuple(added), self.policy)
+        return ForwardOverflow(step, first, tuple(added), self.policy, loss=loss)
 
-    def _no_culprit(self, step: int, inputs: Any, found: Located, first: str | None) -> None:
-        """The FP16 re-run names no module with parameters: say why, never a silent skip."""
+    def _no_culprit(
+        self, step: int, inputs: Any, found: Located, first: str | None
+    ) -> float | None:
+        """The FP16 re-run names no module with parameters: say why, never a silent skip.
+        Returns the loss of the FP32 re-run this makes, if it makes one."""
         if found.first is not None:
             logger.warning(
                 "Step %d: %s overflows FP16 but has no parameters, and no module with "
@@ -221,9 +233,9 @@ class ForwardRerun:
                 step,
                 describe_module(self.model, found.first),
             )
-            return
+            return None
         if first is not None:
-            return  # the islands added for this step made the batch clean
+            return None  # the islands added for this step made the batch clean
         if found.output_finite:
             logger.warning(
                 "Step %d: the loss was non-finite, but the guard's re-run of the batch is "
@@ -232,8 +244,9 @@ class ForwardRerun:
                 "batch alone. The step was skipped, the loss scale left alone.",
                 step,
             )
-            return
-        self._raise_if_fp32_fails(step, self.run(inputs, fp16=False), None)
+            return None
+        fp32 = self.run(inputs, fp16=False)
+        self._raise_if_fp32_fails(step, fp32, None)
         if self.policy == "raise":
             raise LossScaleError(
                 f"Step {step}: the loss overflows FP16 while every module's "
@@ -247,12 +260,18 @@ class ForwardRerun:
             "(outside autocast, on .float() logits).",
             step,
         )
+        return fp32.loss
 
     def _diverging(
-        self, step: int, culprit: str, evidence: tuple[str, ...], added: tuple[str, ...] = ()
+        self,
+        step: int,
+        culprit: str,
+        evidence: tuple[str, ...],
+        added: tuple[str, ...],
+        loss: float | None,
     ) -> ForwardOverflow:
         self.judge.report(step, culprit, evidence)  # raises with on_divergence="raise"
-        return ForwardOverflow(step, culprit, added, self.policy, True, evidence)
+        return ForwardOverflow(step, culprit, added, self.policy, True, evidence, loss)
 
     def make_islands(self, names: list[str]) -> list[str]:
         """Make the named modules FP32 islands, record them in ``model.config``; the names newly
