@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_trainer.forward_overflow import loss_diverged
+from amp_trainer.forward_overflow.divergence import loss_diverged
 from amp_trainer.islands import is_norm_module
 from amp_trainer.numerics import (
     FP16_MAX,
@@ -123,7 +123,7 @@ class StageResult:
     @property
     def diverged(self) -> bool:
         """Finite, but the loss rose far above its first value (the guard's rule,
-        :func:`~amp_trainer.forward_overflow.loss_diverged`): a learning-rate problem."""
+        :func:`~amp_trainer.forward_overflow.divergence.loss_diverged`): a learning-rate problem."""
         later = [loss for loss in self.losses[1:] if math.isfinite(loss)]
         return bool(later) and loss_diverged(self.losses[0], max(later))
 

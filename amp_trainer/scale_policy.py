@@ -302,6 +302,21 @@ class ScalePolicy:
             )
         self.scale = f32(value)
 
+    def undo_backoff(self, scale: float) -> bool:
+        """Put back ``scale``, the scale before the last :meth:`record` backed off, and take that
+        backoff out of :attr:`backoffs`: for an overflow no loss scale can fix (the loss was
+        already inf/NaN before scaling). The step stays counted in :attr:`skipped` and
+        :attr:`overflow_streak`, and a tolerated overflow (hysteresis) stays used up.
+
+        Does nothing when the scale is not below ``scale`` (nothing was backed off: hysteresis
+        tolerated the overflow, or the scale was at its floor); returns whether it undid one.
+        """
+        if f32(self.scale) >= f32(scale):
+            return False
+        self.set_scale(scale)
+        self.backoffs = max(self.backoffs - 1, 0)  # 0: a scale lowered by hand, not backed off
+        return True
+
     def set_growth_factor(self, value: float) -> None:
         self.growth_factor = _growth_factor(value)
 

@@ -86,12 +86,18 @@ class ScalerStats:
 
     ``steps`` counts :meth:`DynamicLossScaler.update` calls (optimizer steps attempted), ``skipped``
     those whose gradients were non-finite, ``overflow_streak`` the current run of consecutive
-    overflowing steps. ``last_overflow_params`` names the parameters with non-finite gradients on
-    the most recent overflow step (names when :meth:`~DynamicLossScaler.watch` was called,
-    positional labels otherwise; empty when nothing was attributed). ``grad_underflow`` (0..1)
-    and ``grad_headroom`` are the last :meth:`~DynamicLossScaler.check_underflow` reading's
-    share flushed to zero and doublings left (``None`` before any), ``underflow_by_param`` its
-    share per parameter, ``underflow_growths`` the growths the two-sided rule made.
+    overflowing steps. ``backoffs`` counts the times the scale really went down: a forward
+    overflow's backoff, undone by the guard, is not one. ``last_overflow_params`` names the
+    parameters with non-finite gradients on the most recent overflow step (names when
+    :meth:`~DynamicLossScaler.watch` was called, positional labels otherwise; empty when nothing
+    was attributed, and on a forward overflow, whose gradients are all non-finite because the
+    loss was). ``last_forward_overflow_modules`` names the module(s) whose FP16 forward
+    overflowed on the most recent forward overflow: the ones the forward-overflow guard made FP32
+    islands, or named (see :meth:`~DynamicLossScaler.record_forward_overflow`).
+    ``grad_underflow`` (0..1) and ``grad_headroom`` are the last
+    :meth:`~DynamicLossScaler.check_underflow` reading's share flushed to zero and doublings left
+    (``None`` before any), ``underflow_by_param`` its share per parameter, ``underflow_growths``
+    the growths the two-sided rule made.
     """
 
     scale: float
@@ -101,6 +107,7 @@ class ScalerStats:
     backoffs: int
     overflow_streak: int
     last_overflow_params: tuple[str, ...]
+    last_forward_overflow_modules: tuple[str, ...] = ()
     grad_underflow: float | None = None
     grad_headroom: float | None = None
     underflow_growths: int = 0
@@ -213,6 +220,7 @@ class DynamicLossScaler:
     def _reset_counters(self) -> None:
         self._warned_this_streak = False
         self._last_overflow_params: tuple[str, ...] = ()
+        self._last_forward_overflow_modules: tuple[str, ...] = ()
         self._step_was_skipped = False
 
     @staticmethod
@@ -270,6 +278,7 @@ class DynamicLossScaler:
             backoffs=policy.backoffs,
             overflow_streak=policy.overflow_streak,
             last_overflow_params=self._last_overflow_params,
+            last_forward_overflow_modules=self._last_forward_overflow_modules,
             grad_underflow=None if self._underflow is None else self._underflow.underflow,
             grad_headroom=None if self._underflow is None else self._underflow.headroom,
             underflow_growths=policy.underflow_growths,
@@ -731,6 +740,26 @@ class DynamicLossScaler:
             logger.warning("%s Skipping steps until the gradients are finite again.", message)
             self._warned_this_streak = True
 
+    def undo_backoff(self, scale: float) -> None:
+        """Put back ``scale``, the scale the last step ran with, if :meth:`update` backed off for
+        an overflow no loss scale can fix (a forward overflow: the loss was inf/NaN before
+        scaling), and take that backoff out of ``stats.backoffs``. The step stays skipped and
+        counted as such. Does nothing when the scale did not go down."""
+        if self._enabled and self.policy.undo_backoff(scale):
+            # As update(new_scale=...): a scale set between iterations starts the next afresh.
+            self._per_optimizer.clear()
+            self._carried = False
+
+    def record_forward_overflow(self, modules: Iterable[str]) -> None:
+        """The step just skipped was a forward overflow in ``modules`` (what
+        :class:`~amp_trainer.forward_overflow.ForwardOverflowGuard` found): they become
+        ``stats.last_forward_overflow_modules`` (kept when ``modules`` is empty: none found),
+        and ``stats.last_overflow_params``, which would list every parameter, is emptied."""
+        names = tuple(modules)
+        if names:
+            self._last_forward_overflow_modules = names
+        self._last_overflow_params = ()
+
     # ----------------------------------------------------------------------------------------
     # checkpointing
     # ----------------------------------------------------------------------------------------
@@ -745,6 +774,7 @@ class DynamicLossScaler:
         return {
             **self.policy.state_dict(),
             "last_overflow_params": list(self._last_overflow_params),
+            "last_forward_overflow_modules": list(self._last_forward_overflow_modules),
             "version": _STATE_VERSION,
         }
 
@@ -774,13 +804,16 @@ class DynamicLossScaler:
             key: value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
             for key, value in state_dict.items()
         }
-        names = plain.get("last_overflow_params", [])
-        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-            raise TypeError(
-                f"scaler state 'last_overflow_params' must be a list of str, got {names!r}"
-            )
+        names = {
+            key: plain.get(key, [])
+            for key in ("last_overflow_params", "last_forward_overflow_modules")
+        }
+        for key, value in names.items():
+            if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
+                raise TypeError(f"scaler state {key!r} must be a list of str, got {value!r}")
         self.policy = self.policy.restored(plain)  # validates everything, raises before this
-        self._last_overflow_params = tuple(names)
+        self._last_overflow_params = tuple(names["last_overflow_params"])
+        self._last_forward_overflow_modules = tuple(names["last_forward_overflow_modules"])
         self._per_optimizer.clear()
         self._carried = False
         self._device_cache.clear()

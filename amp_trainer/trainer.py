@@ -76,6 +76,7 @@ from amp_trainer.accelerate_hooks import clip_grad_norm_in_one_pass, install_sca
 from amp_trainer.checkpointing import CheckpointKeeper
 from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import apply_fp32_policy, recorded_fp32_islands, restore_fp32_islands
+from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
 from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
@@ -200,12 +201,12 @@ class _LossScaleMonitor(TrainerCallback):
         self._trainer = trainer
         self._scale_before_step = 1.0
         self._skips_in_a_row = 0
-        self._reading_seen: Any = None  # the last underflow reading a step end has seen
 
     def on_step_begin(self, args, state, control, **kwargs):
-        """Ask the scaler to measure underflow on this step's first loss, every
-        ``loss_scale_underflow_check_interval`` steps (the first included) and right after the
-        two-sided rule grew the scale."""
+        """Ask the scaler to measure underflow on this step's first loss: on the first step,
+        on every ``loss_scale_underflow_check_interval``-th (500, 1000, ...: logging steps too
+        when ``logging_steps`` divides the interval, so a check is logged on its own step) and
+        right after the two-sided rule grew the scale. The figures go into the next log."""
         trainer, scaler = self._trainer, self._trainer.loss_scaler
         interval = getattr(args, "loss_scale_underflow_check_interval", 0)
         if scaler is None or not interval or trainer.is_fsdp_enabled:
@@ -213,21 +214,13 @@ class _LossScaleMonitor(TrainerCallback):
         # Counted over the whole run (attempts where the state counts them), so a resumed run
         # checks the very steps the uninterrupted one does.
         done = getattr(state, "optimizer_step_attempts", None) or state.global_step
-        if done % interval == 0 or scaler.underflow_recheck_due:
+        if done == 0 or (done + 1) % interval == 0 or scaler.underflow_recheck_due:
             scaler.request_underflow_check(trainer.model)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        """Log on a step that measured underflow, so the figures land on the step they are of."""
-        scaler = self._trainer.loss_scaler
-        reading = None if scaler is None else scaler.last_underflow
-        if reading is not None and reading is not self._reading_seen:
-            self._reading_seen = reading
-            if args.logging_strategy == "steps":
-                control.should_log = True
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._skips_in_a_row = 0
         trainer = self._trainer
+        trainer._overflow_step_loss.start()
         if trainer.loss_scaler is not None and trainer.model is not None:
             # Sharding in train()'s prepare (Accelerate's FSDP2) replaced the parameter objects
             # the scaler watched; their names stay, so watching again keeps overflows named.
@@ -252,6 +245,7 @@ class _LossScaleMonitor(TrainerCallback):
         if forward is not None:
             # Not a gradient overflow: the plot and the summary show it as its own kind of event.
             entry["fp32_islands"] = list(forward.islands)
+            self._trainer._overflow_step_loss.record(forward)  # its logged loss: the FP32 re-run's
         _record_scale_step(self._trainer.scale_history, entry, int(sample_every or 0))
         self._trainer._last_step_skipped = skipped
         if skipped and forward is None:  # a forward overflow was reported as such already
@@ -349,6 +343,7 @@ class AmpTrainerMixin(Trainer):
         self._last_step_skipped = False
         self._underflow_logged: Any = None
         self._forward_overflow: ForwardOverflowGuard | None = None
+        self._overflow_step_loss = OverflowStepLoss()
         super().__init__(*args, **kwargs)
         self._place_loss_scale_monitor()
         self._tensorboard_under_output_dir()
@@ -553,7 +548,16 @@ class AmpTrainerMixin(Trainer):
                     logs["grad_headroom"] = reading.headroom
             if self._forward_overflow is not None:
                 logs["fp32_islands_added"] = len(self._forward_overflow.islands)
+            self._overflow_step_loss.add_to(logs)
         super().log(logs, start_time)
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Stock logging, with a forward-overflow step's loss its FP32 re-run's, not stock's 0.0
+        (``tr_loss`` is stock's on-device loss sum; see :mod:`amp_trainer.overflow_step_loss`)."""
+        self._overflow_step_loss.correct(tr_loss)
+        super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
+        if self._forward_overflow is not None:
+            self._overflow_step_loss.remember(tr_loss)
 
     # -- checkpoints and resume: the behaviour is amp_trainer.checkpointing's ----------------
     def train(

@@ -162,9 +162,9 @@ def measure_underflow(
             zero_at_scale.append(grad == 0)
         finite = _finite(at_scale)
     del at_scale
+    if not finite:  # the step overflows at this scale: no doubling is left, nothing to compare
+        return UnderflowReading(scale, None, 0.0, fp16_gradients=fp16_seen)
     headroom = math.log2(FP16_MAX / largest) if fp16_seen and largest > 0 else None
-    if not finite:
-        return UnderflowReading(scale, None, min(headroom or 0.0, 0.0), fp16_gradients=fp16_seen)
 
     # The reference scale: as high as the gradients allow, found by bisection on the number of
     # doublings (each try is one backward). lo is known finite (the step's own scale), hi not.

@@ -6,6 +6,7 @@ every token while it is finite in FP32, the case the seed calls the commonest "l
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -199,6 +200,102 @@ def test_islands_added_in_training_are_in_checkpoints_and_come_back_on_resume(tm
     assert is_fp32_island(fresh.get_submodule(WO))
     after_resume = [e for e in resumed.scale_history if e["step"] > 2]
     assert after_resume and not any(e["skipped"] for e in after_resume)
+
+
+# --------------------------------------------------------------------------------------------
+# the figures of a forward-overflow step: logged loss, backoffs, what overflowed
+# --------------------------------------------------------------------------------------------
+class RecordingTrainer(AmpTrainer):
+    """AmpTrainer that keeps a copy of every micro-batch it trains on."""
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        self.batches = [*getattr(self, "batches", []), {k: v.clone() for k, v in inputs.items()}]
+        return super().training_step(model, inputs, *args, **kwargs)
+
+
+def test_a_forward_overflow_step_logs_the_loss_of_its_fp32_rerun_not_zero(tmp_path):
+    trainer = RecordingTrainer(
+        model=make_overflowing_t5(),
+        args=tiny_training_args(tmp_path, max_steps=1),
+        train_dataset=ToySeq2Seq(),
+    )
+    result = trainer.train()
+    assert trainer.scale_history[0]["skipped"]  # the step overflowed and changed no weight
+    model = trainer.model
+    with torch.no_grad():  # that batch in pure FP32 (the class's forward: no autocast wrapper)
+        fp32_loss = float(type(model).forward(model, **trainer.batches[0]).loss)
+    (log,) = [e for e in trainer.state.log_history if "loss" in e]
+    assert log["step_skipped"] == 1
+    assert log["loss"] == pytest.approx(fp32_loss, rel=1e-6)  # stock logs 0.0 here
+    assert log["loss_fp32_rerun"] == pytest.approx(fp32_loss, rel=1e-6)
+    assert result.training_loss == pytest.approx(fp32_loss, rel=1e-6)
+
+
+class OverflowsOnlyWithGrad(torch.nn.Module):
+    """A loss that passes 65504 in FP16 while gradients are recorded: the guard's re-runs (no
+    gradients) are finite, so no re-run of the batch has the training step's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        out = self.linear(x)
+        if torch.is_grad_enabled():
+            out = out * 1e3 * 1e3  # FP16 under autocast: inf
+        return {"loss": ((out.float().squeeze(-1) - labels) ** 2).mean()}
+
+
+class Regression(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.full((4,), 1.0 + i), "labels": torch.tensor(float(i))}
+
+
+def test_a_forward_overflow_without_a_finite_fp32_rerun_logs_nan_not_zero(tmp_path):
+    trainer = AmpTrainer(
+        model=OverflowsOnlyWithGrad(),
+        args=tiny_training_args(tmp_path, max_steps=1),
+        train_dataset=Regression(),
+    )
+    trainer.train()
+    assert trainer.scale_history[0]["skipped"]
+    (log,) = [e for e in trainer.state.log_history if "loss" in e]
+    assert math.isnan(log["loss"]) and math.isnan(log["loss_fp32_rerun"])
+
+
+@pytest.mark.parametrize(("policy", "backoffs"), [("fp32", 0), ("skip", 3)])
+def test_backoffs_count_only_the_times_the_scale_went_down(tmp_path, policy, backoffs):
+    trainer = AmpTrainer(
+        model=make_overflowing_t5(),
+        args=tiny_training_args(tmp_path, max_steps=3, on_forward_overflow=policy),
+        train_dataset=ToySeq2Seq(),
+    )
+    trainer.train()
+    scales = [e["scale"] for e in trainer.scale_history] + [trainer.loss_scaler.get_scale()]
+    went_down = sum(after < before for before, after in itertools.pairwise(scales))
+    stats = trainer.loss_scaler.stats
+    assert stats.backoffs == went_down == backoffs  # a forward overflow's undone backoff is none
+    assert stats.skipped == sum(e["skipped"] for e in trainer.scale_history) >= 1
+
+
+def test_a_forward_overflow_names_the_module_made_an_island_not_every_parameter(tmp_path):
+    trainer = AmpTrainer(
+        model=make_overflowing_t5(),
+        args=tiny_training_args(tmp_path, max_steps=2),
+        train_dataset=ToySeq2Seq(),
+    )
+    trainer.train()
+    assert trainer.scale_history[0]["fp32_islands"] == [WO]
+    stats = trainer.loss_scaler.stats
+    assert stats.last_forward_overflow_modules == (WO,)
+    assert stats.last_overflow_params == ()  # every gradient was NaN: they name nothing
+    saved = trainer.loss_scaler.state_dict()
+    fresh = DynamicLossScaler("cpu")
+    fresh.load_state_dict(saved)
+    assert fresh.stats.last_forward_overflow_modules == (WO,)
 
 
 # --------------------------------------------------------------------------------------------

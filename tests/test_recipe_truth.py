@@ -148,6 +148,6 @@ def test_the_underflow_check_is_the_same_in_summary_metrics_and_log(bert_run):
     assert 0.0 <= share <= 1.0
     assert last_logged(output, "grad_underflow") == pytest.approx(share, rel=1e-3, abs=1e-6)
     assert table_value(output, "gradient underflow (last check)").startswith(
-        f"{100 * share:.2f}%, headroom {checks[0]['grad_headroom']:.1f} doublings (step 1; "
-        "1 check(s))"
+        f"{100 * share:.2f}%, headroom {checks[0]['grad_headroom']:.1f} doublings "
+        "(logged at step 1; 1 check(s))"
     )

@@ -61,7 +61,7 @@ def _monitored_run(tmp_path, steps, *, logging_steps=None, growth_interval=10**6
         full.append({"step": step, "scale": scale, "skipped": step in OVERFLOWS})
         if step in save_at:
             path = tmp_path / f"checkpoint-{step}" / AMP_STATE_FILE
-            write_json_atomic(path, trainer._checkpoints._amp_state())
+            write_json_atomic(path, trainer._checkpoints.saver.amp_state())
             sizes[step] = path.stat().st_size
     return trainer, full, sizes
 

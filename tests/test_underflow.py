@@ -182,13 +182,13 @@ def test_the_trainer_logs_the_meter_on_checked_steps_only(tmp_path):
     trainer = _train(tmp_path, "metered", loss_scale_underflow_check_interval=4)
     logged = [h for h in trainer.state.log_history if "loss" in h]
     with_meter = [h["step"] for h in logged if "grad_underflow" in h]
-    assert with_meter == [1, 5]  # the first step, then every 4th
+    assert with_meter == [1, 4]  # the first step, then every 4th
     assert all(
         0.0 <= h["grad_underflow"] <= 1.0 and "grad_headroom" in h
         for h in logged
         if "grad_underflow" in h
     )
-    assert trainer.loss_scaler.stats.grad_underflow == logged[4]["grad_underflow"]
+    assert trainer.loss_scaler.stats.grad_underflow == logged[3]["grad_underflow"]
 
 
 def test_the_meter_on_every_step_leaves_the_run_bit_identical(tmp_path):
@@ -258,7 +258,7 @@ def test_the_default_rule_ignores_the_meter():
     assert scaler.get_scale() == 1.0
 
 
-def test_a_check_is_logged_on_its_own_step_and_drawn_in_the_plot(tmp_path):
+def test_a_check_goes_into_the_next_log_and_is_drawn_in_the_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from amp_trainer.recipes.reporting import (
         UNDERFLOW_LABEL,
@@ -268,16 +268,20 @@ def test_a_check_is_logged_on_its_own_step_and_drawn_in_the_plot(tmp_path):
 
     trainer = _train(tmp_path, "plot", loss_scale_underflow_check_interval=4, logging_steps=3)
     checks = [h for h in trainer.state.log_history if "grad_underflow" in h]
-    assert [h["step"] for h in checks] == [1, 5]  # not at the next logging step (3, 6)
+    # Checked at steps 1 and 4: logged at the next logging steps, 3 and 6; the cadence the user
+    # chose is kept (no extra log lines).
+    assert [h["step"] for h in checks] == [3, 6]
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [3, 6]
     last = trainer.loss_scaler.last_underflow
     assert checks[-1]["grad_underflow"] == last.underflow
     assert describe_underflow(trainer.state.log_history).startswith(
-        f"{100 * last.underflow:.2f}%, headroom {last.headroom:.1f} doublings (step 5; 2 check(s))"
+        f"{100 * last.underflow:.2f}%, headroom {last.headroom:.1f} doublings (logged at step 6; "
+        "2 check(s))"
     )
     figure = training_figure(trainer.state.log_history, trainer.scale_history, precision="fp16")
     meter = figure.axes[2]
     (line,) = [ln for ln in meter.get_lines() if ln.get_label() == UNDERFLOW_LABEL]
-    assert list(line.get_xdata()) == [1, 5]
+    assert list(line.get_xdata()) == [3, 6]
     assert list(line.get_ydata()) == [100 * h["grad_underflow"] for h in checks]
 
 

@@ -216,8 +216,9 @@ _FORWARD_OVERFLOW_NO_ISLAND_LABEL = "forward overflow (no island added)"
 
 
 def describe_underflow(log_history: Iterable[Mapping[str, Any]]) -> str | None:
-    """The summary's underflow cell: the last check's share of the gradient flushed to zero by
-    FP16 and its headroom, with the step and how many checks the run made (``None``: none)."""
+    """The summary's underflow cell: the last logged check's share of the gradient flushed to
+    zero by FP16 and its headroom, the step it was logged at (a check's figures go into the next
+    log) and how many logs carried one (``None``: none)."""
     checks = [e for e in log_history if "grad_underflow" in e or "grad_headroom" in e]
     if not checks:
         return None
@@ -227,7 +228,7 @@ def describe_underflow(log_history: Iterable[Mapping[str, Any]]) -> str | None:
     parts = ["not measured (the step overflowed)" if share is None else f"{100 * share:.2f}%"]
     if headroom is not None:
         parts.append(f"headroom {headroom:.1f} doublings")
-    return f"{', '.join(parts)} (step {last.get('step')}; {len(checks)} check(s))"
+    return f"{', '.join(parts)} (logged at step {last.get('step')}; {len(checks)} check(s))"
 
 
 def training_figure(

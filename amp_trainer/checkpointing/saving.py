@@ -1,0 +1,183 @@
+"""Saving a checkpoint: amp-trainer's state in it, nothing half-written, no other run's lost.
+
+Stock ``Trainer._save_checkpoint`` writes ``scaler.pt`` (the scaler's whole state); what
+:class:`CheckpointSaver` adds around it, for :class:`~amp_trainer.checkpointing.CheckpointKeeper`:
+
+* :data:`~amp_trainer.checkpointing.layout.AMP_STATE_FILE` in every checkpoint, written
+  atomically (:mod:`amp_trainer.atomic_files`);
+* a full disk is one ``OSError(ENOSPC)`` naming the checkpoint, without a half-written folder;
+* ``save_total_limit`` rotation spares the checkpoints of another run found in ``output_dir``
+  (all of them when the checkpoint resumed is another folder's), and another run's
+  ``checkpoint-N`` of the step being saved is moved to ``previous-run-checkpoints/``, not
+  overwritten.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from amp_trainer.atomic_files import is_disk_full, write_json_atomic
+from amp_trainer.checkpointing.layout import AMP_STATE_FILE, checkpoint_step
+from amp_trainer.training_args import AmpTrainingArguments
+
+__all__ = ["CheckpointSaver"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointSaver:
+    """The saving side of one :class:`~amp_trainer.trainer.AmpTrainerMixin`'s checkpoints.
+
+    ``trainer`` is the AmpTrainerMixin instance: this reads its ``args``, ``state``,
+    ``precision`` and ``scale_history``.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.resume_step: int | None = None  # N of the checkpoint-N resumed from
+        self.resume_dir: Path | None = None  # the folder holding the checkpoint resumed from
+        self.at_start: dict[str, int] = {}  # checkpoint folders in output_dir when train() began
+        self._warned_foreign = False
+
+    def remember_start(self, checkpoint: str | bool | None) -> None:
+        """Remember what ``output_dir`` held when ``train`` began, and the checkpoint it resumes
+        (``checkpoint``): the checkpoints there that are not this run's are another run's."""
+        self.resume_step = self.resume_dir = None
+        if isinstance(checkpoint, (str, os.PathLike)):
+            self.resume_step = checkpoint_step(Path(checkpoint))
+            self.resume_dir = Path(checkpoint).resolve().parent
+        folder = Path(self.trainer.args.output_dir)
+        self.at_start = {
+            path.name: step
+            for path in (folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if folder.is_dir() else ())
+            if path.is_dir() and (step := checkpoint_step(path)) is not None
+        }
+
+    def save(self, run_dir: str | os.PathLike, save: Callable[[], None]) -> None:
+        """Run ``save`` (stock ``_save_checkpoint``, into ``run_dir``), then add the amp state.
+
+        On a full disk torch says only "[enforce fail at inline_container.cc] ... file write
+        failed" and leaves a half-written ``checkpoint-N``: here that folder is removed and an
+        ``OSError(ENOSPC)`` names it. Checkpoints that were in output_dir before this run (and
+        are not the earlier steps of the run resumed) are left out of ``save_total_limit``
+        rotation: they belong to another run.
+        """
+        args = self.trainer.args
+        run_dir = Path(run_dir)
+        folder = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.trainer.state.global_step}"
+        existed = folder.exists()
+        limit = args.save_total_limit
+        self._move_aside_if_foreign(run_dir, folder)
+        foreign = self._foreign_checkpoints(run_dir)
+        try:
+            if foreign and limit:
+                args.save_total_limit = None  # rotated below, without the foreign ones
+            save()
+            if args.should_save:
+                write_json_atomic(folder / AMP_STATE_FILE, self.amp_state())
+        except Exception as err:
+            if not is_disk_full(err, run_dir):
+                raise
+            if args.should_save and not existed:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on device saving {folder.name} in {run_dir}; the partial "
+                "checkpoint was removed. Free some space and resume from the previous checkpoint.",
+            ) from err
+        finally:
+            args.save_total_limit = limit
+        if foreign and limit and args.should_save:
+            self._rotate_own_checkpoints(run_dir, foreign, limit)
+
+    def _foreign_names(self, run_dir: Path) -> set[str]:
+        """Names of the checkpoints in ``run_dir`` at the start that belong to another run: all
+        of them, unless this run resumed one of ``run_dir``'s own (then those after it)."""
+        if Path(self.trainer.args.output_dir).resolve() != run_dir.resolve():
+            return set()  # hyperparameter-search trial folders: stock behaviour
+        resumed = self.resume_step if self.resume_dir == run_dir.resolve() else None
+        return {name for name, step in self.at_start.items() if resumed is None or step > resumed}
+
+    def _move_aside_if_foreign(self, run_dir: Path, folder: Path) -> None:
+        """Move another run's ``checkpoint-N`` out of the way before this run writes its own.
+
+        Why: stock ``_save_checkpoint`` writes into an existing ``checkpoint-N`` and so replaces
+        another run's checkpoint of the same step (``--reuse_output_dir``: a new run's
+        checkpoint-4 and checkpoint-8 overwrote the previous run's). The previous one is renamed,
+        whole, to ``previous-run-checkpoints[-K]/checkpoint-N`` (a name neither
+        ``get_last_checkpoint`` nor rotation picks up), and a warning says where it went. The
+        decision comes from what every rank saw at the start, so all ranks wait at the same
+        barrier while the main process moves it.
+        """
+        if folder.name not in self._foreign_names(run_dir):
+            return
+        args = self.trainer.args
+        if args.should_save and folder.is_dir():
+            for index in range(1, 1000):
+                suffix = "" if index == 1 else f"-{index}"
+                keep = run_dir / f"previous-run-checkpoints{suffix}" / folder.name
+                if not keep.exists():
+                    break
+            keep.parent.mkdir(exist_ok=True)
+            os.replace(folder, keep)
+            logger.warning(
+                "%s was there before this run started (another run's, or a later step of the run "
+                "resumed): moved it to %s so that this run's %s does not overwrite it.",
+                folder,
+                keep,
+                folder.name,
+            )
+        self.at_start.pop(folder.name, None)
+        accelerator = getattr(self.trainer, "accelerator", None)
+        if accelerator is not None and accelerator.num_processes > 1:
+            accelerator.wait_for_everyone()
+
+    def _foreign_checkpoints(self, run_dir: Path) -> set[str]:
+        """Checkpoints of another run that were in ``run_dir`` when training started."""
+        foreign = self._foreign_names(run_dir)
+        if foreign and not self._warned_foreign:
+            self._warned_foreign = True
+            logger.warning(
+                "output_dir %s holds checkpoint(s) of another run (%s); save_total_limit "
+                "rotation leaves them alone.",
+                run_dir,
+                ", ".join(sorted(foreign)),
+            )
+        return {name for name in foreign if (run_dir / name).is_dir()}
+
+    def _rotate_own_checkpoints(self, run_dir: Path, foreign: set[str], limit: int) -> None:
+        """``save_total_limit`` over this run's checkpoints only (the best one is kept)."""
+        own = sorted(
+            (step, path)
+            for path in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+            if path.is_dir()
+            and path.name not in foreign
+            and (step := checkpoint_step(path)) is not None
+        )
+        best = self.trainer.state.best_model_checkpoint
+        keep = {path for _, path in own[-limit:]}
+        for _, path in own:
+            if path not in keep and (best is None or Path(best).resolve() != path.resolve()):
+                logger.info("Deleting older checkpoint %s (save_total_limit=%d)", path, limit)
+                shutil.rmtree(path, ignore_errors=True)
+
+    def amp_state(self) -> dict[str, Any]:
+        """What :data:`AMP_STATE_FILE` holds: the precision and loss-scaler settings the run
+        started with and its (compact) scale history."""
+        args = self.trainer.args
+        return {
+            "precision": self.trainer.precision,
+            "loss_scaler": args.loss_scaler_kwargs()
+            if isinstance(args, AmpTrainingArguments)
+            else {},
+            "scale_history": self.trainer.scale_history,
+        }
