@@ -61,6 +61,7 @@ Example (any loop)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -89,6 +90,7 @@ from amp_trainer.numerics import (
     iter_tensors,
     nonfinite_inputs,
 )
+from amp_trainer.precision import without_autocast_wrapper
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
 
 try:  # a sharding engine's parameters (FSDP2, tensor parallel) are DTensors
@@ -623,24 +625,17 @@ class ForwardOverflowGuard:
         device_type = self._device_type(inputs)
         # The re-run must not move the training run's RNG (dropout masks of later steps).
         devices = [torch.cuda.current_device()] if device_type == "cuda" else []
-        # Accelerate's prepare() wraps the model's own forward in an FP16 autocast (and keeps
-        # the original as _original_forward): the FP32 run must bypass that wrapper.
-        wrapped = self.model.__dict__.get("forward")
-        original = self.model.__dict__.get("_original_forward")
-        try:
-            if not fp16 and wrapped is not None and original is not None:
-                self.model.forward = original
-            with (
-                torch.random.fork_rng(devices=devices),
-                torch.no_grad(),
-                OverflowProbe(self.model, limit=math.inf) as probe,
-                _Producers(self.model, census=not fp16) as producers,
-                torch.autocast(device_type, dtype=self.dtype, enabled=fp16),
-            ):
-                output = self.forward(self.model, inputs)
-        finally:
-            if wrapped is not None:
-                self.model.forward = wrapped
+        # Accelerate's prepare() wraps the model's own forward in an FP16 autocast: the FP32
+        # run must bypass that wrapper.
+        with (
+            without_autocast_wrapper(self.model) if not fp16 else contextlib.nullcontext(),
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            OverflowProbe(self.model, limit=math.inf) as probe,
+            _Producers(self.model, census=not fp16) as producers,
+            torch.autocast(device_type, dtype=self.dtype, enabled=fp16),
+        ):
+            output = self.forward(self.model, inputs)
         culprit = probe.first
         if culprit is not None and not _has_parameters(self.model.get_submodule(culprit)):
             culprit = producers.producer_of.get(culprit) or _enclosing_with_parameters(
