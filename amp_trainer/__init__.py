@@ -24,6 +24,8 @@ __all__ = [
     "DivergenceError",
     "DynamicLossScaler",
     "LossScaleError",
+    "NonFiniteForwardError",
+    "PrecisionMismatchCallback",
     "SampleInputsError",
     "ScalerStats",
     "Verdict",
@@ -34,6 +36,7 @@ __all__ = [
     "keep_in_fp32",
     "keep_norms_in_fp32",
     "load_fp16_export",
+    "measure_precision_mismatch",
 ]
 
 _WHERE = {
@@ -41,6 +44,7 @@ _WHERE = {
     "LossScaleError": "amp_trainer.scaler",
     "ScalerStats": "amp_trainer.scaler",
     "DivergenceError": "amp_trainer.forward_overflow",
+    "NonFiniteForwardError": "amp_trainer.forward_overflow",
     "keep_norms_in_fp32": "amp_trainer.islands",
     "keep_in_fp32": "amp_trainer.islands",
     "AmpAccelerator": "amp_trainer.accelerate_hooks",
@@ -57,6 +61,8 @@ _WHERE = {
     "Diagnosis": "amp_trainer.doctor",
     "Verdict": "amp_trainer.doctor",
     "diagnose": "amp_trainer.doctor",
+    "PrecisionMismatchCallback": "amp_trainer.mismatch",
+    "measure_precision_mismatch": "amp_trainer.mismatch",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -64,8 +70,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.deepspeed import deepspeed_fp16_config
     from amp_trainer.doctor import Diagnosis, Verdict, diagnose
     from amp_trainer.export import SampleInputsError, export_fp16, load_fp16_export
-    from amp_trainer.forward_overflow import DivergenceError
+    from amp_trainer.forward_overflow import DivergenceError, NonFiniteForwardError
     from amp_trainer.islands import keep_in_fp32, keep_norms_in_fp32
+    from amp_trainer.mismatch import PrecisionMismatchCallback, measure_precision_mismatch
     from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
     from amp_trainer.trainer import AmpSeq2SeqTrainer, AmpTrainer, AmpTrainerMixin
     from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
