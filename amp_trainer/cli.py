@@ -704,7 +704,7 @@ def _run_mismatch(args: argparse.Namespace) -> int:
     import torch
 
     from amp_trainer.export import load_model, load_tokenizer
-    from amp_trainer.mismatch import format_mismatch_table, measure_precision_mismatch
+    from amp_trainer.mismatch import measure_precision_mismatch
 
     path = _check_model_arg(args.model)
     texts = (
@@ -745,7 +745,7 @@ def _run_mismatch(args: argparse.Namespace) -> int:
         f"{type(model).__name__} from {args.model}: {len(texts)} text(s), {tokens} token(s) "
         f"scored, on {device}, against FP32"
     )
-    print(format_mismatch_table(results))
+    print(results)
     if args.json:
         _write_json_atomic(
             args.json,
@@ -755,7 +755,7 @@ def _run_mismatch(args: argparse.Namespace) -> int:
                 "texts": len(texts),
                 "clip_epsilon": args.clip_epsilon,
                 "temperature": args.temperature,
-                "precisions": {name: stats.to_dict() for name, stats in results.items()},
+                "precisions": results.to_dict(),
             },
         )
     return EXIT_FAILED if any(stats.nonfinite for stats in results.values()) else EXIT_OK

@@ -16,7 +16,7 @@ the same tokens, one forward in FP32 and one per precision under autocast.
 Example::
 
     stats = measure_precision_mismatch(model, input_ids, attention_mask)
-    print(format_mismatch_table(stats))
+    print(stats)  # the table
     stats["bf16"].mean_abs_logprob_diff / stats["fp16"].mean_abs_logprob_diff  # ~8 here
 
 A precision whose logits come out inf/NaN is reported as such (``nonfinite``), with the module
@@ -44,6 +44,7 @@ from amp_trainer.precision import PRECISIONS, without_autocast_wrapper
 
 __all__ = [
     "FIGURES",
+    "MismatchReport",
     "MismatchStats",
     "PrecisionMismatchCallback",
     "format_mismatch_table",
@@ -104,6 +105,16 @@ class MismatchStats:
     def log_items(self) -> dict[str, float]:
         """``{"mismatch/<precision>/<figure>": value}`` for the Trainer's logs."""
         return {f"mismatch/{self.precision}/{name}": float(getattr(self, name)) for name in FIGURES}
+
+
+class MismatchReport(dict[str, MismatchStats]):
+    """``{precision: MismatchStats}``, printed as a table (:func:`format_mismatch_table`)."""
+
+    def __str__(self) -> str:
+        return format_mismatch_table(self)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: stats.to_dict() for name, stats in self.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,7 +533,7 @@ def measure_precision_mismatch(
     labels: torch.Tensor | None = None,
     temperature: float = 1.0,
     batch_size: int | None = None,
-) -> dict[str, MismatchStats]:
+) -> MismatchReport:
     """How far each precision's token log-probs are from FP32's, on the same model and tokens.
 
     One FP32 forward is the reference; each precision is one forward under
@@ -551,7 +562,8 @@ def measure_precision_mismatch(
             of the logits, which are ``rows x positions x vocabulary``.
 
     Returns:
-        ``{precision: MismatchStats}`` in the order asked for.
+        ``{precision: MismatchStats}`` in the order asked for (a :class:`MismatchReport`:
+        ``print`` it for the table).
 
     Raises:
         ValueError: an unknown precision, tensors of the wrong shape or kind, a model that is
@@ -583,7 +595,7 @@ def measure_precision_mismatch(
             device=device,
             keywords=keywords,
         )
-    return {name: tallies[name].stats(name, epsilon) for name in names}
+    return MismatchReport((name, tallies[name].stats(name, epsilon)) for name in names)
 
 
 # --------------------------------------------------------------------------------------------
@@ -910,15 +922,15 @@ class PrecisionMismatchCallback(TrainerCallback):
 
     # -- the run's summary -------------------------------------------------------------------
     @property
-    def summary(self) -> dict[str, MismatchStats]:
+    def summary(self) -> MismatchReport:
         """Every measured step of the last ``train()`` together, per precision: token-weighted
         means, the largest difference. A precision non-finite on some steps is flagged
         (``nonfinite``, the modules named) and its figures cover its finite steps."""
-        return {
-            name: tally.stats(name, self._epsilon, finite_part=True)
+        return MismatchReport(
+            (name, tally.stats(name, self._epsilon, finite_part=True))
             for name, tally in self._run.items()
             if tally.tokens
-        }
+        )
 
     def format_summary(self) -> str:
         """The run's summary as a table, with the steps whose logits were non-finite."""
