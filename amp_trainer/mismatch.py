@@ -640,14 +640,12 @@ def format_mismatch_table(
     lines = [title] if title else []
     lines += [rule, line(header), rule, *(line(row) for row in rows), rule]
     fp16, bf16 = stats.get("fp16"), stats.get("bf16")
-    if fp16 and bf16 and fp16.mean_abs_logprob_diff > 0 and not (fp16.nonfinite or bf16.nonfinite):
-        lines.append(
-            f"bf16/fp16: {bf16.mean_abs_logprob_diff / fp16.mean_abs_logprob_diff:.3g}x the mean "
-            f"|d logp|, {bf16.kl / fp16.kl:.3g}x the KL"
-            if fp16.kl > 0
-            else f"bf16/fp16: {bf16.mean_abs_logprob_diff / fp16.mean_abs_logprob_diff:.3g}x the "
-            "mean |d logp|"
-        )
+    if fp16 and bf16 and not (fp16.nonfinite or bf16.nonfinite) and fp16.mean_abs_logprob_diff:
+        ratio = bf16.mean_abs_logprob_diff / fp16.mean_abs_logprob_diff
+        line_text = f"bf16/fp16: {ratio:.3g}x the mean |d logp|"
+        if fp16.kl > 0:
+            line_text += f", {bf16.kl / fp16.kl:.3g}x the KL"
+        lines.append(line_text)
     for name, s in stats.items():
         if s.nonfinite:
             where = describe_names([repr(m) for m in s.nonfinite_modules]) or "no single module"

@@ -3,12 +3,14 @@
 The same fp16 GRPO run (TRL's GRPOTrainer under AmpTrainerMixin, transformers' own generation,
 a rule-based reward; the policy a GPT-2 built from a config with one seed, a byte-level BPE
 tokenizer trained here: nothing downloaded) is trained without the callback and with it every
-``N`` steps, for each ``N`` of ``--every``. A run's step time is the median over its steps after
-``--warmup``, from ``on_step_begin`` to ``on_step_end`` of a timing callback placed last, so it
-includes the meter's own work at the end of a sampled step (generation, the training forward
-and backward, the optimizer step, and the measurement). Modes run in rotating order within each
-repeat so that drift in machine load hits all alike; the ratio column is the paired per-repeat
-ratio to the run without the callback, median [min-max].
+``N`` steps, for each ``N`` of ``--every``, and once more without it (an A/A control: its ratio
+to the first is this machine's noise floor). A run's step time is the mean over its steps after
+``--warmup`` (not the median: with ``N > 1`` the meter's cost falls on one step in ``N``), each
+step timed from ``on_step_begin`` to ``on_step_end`` of a timing callback placed last, so it
+includes generation, the training forward and backward, the optimizer step and the meter's own
+work at the end of a sampled step. Modes run in rotating order within each repeat so that drift
+in machine load hits all alike; the ratio column is the paired per-repeat ratio to the run
+without the callback, median [min-max].
 
 Two clocks: process CPU time (all threads of this process; other processes on a shared machine
 do not count) and wall time. With ``--threads 1`` the CPU time is all the work a step does.
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import tempfile
@@ -116,8 +117,8 @@ def _timed_run(tokenizer: Any, args: argparse.Namespace, every: int | None, out:
     trainer.remove_callback(PrinterCallback)  # the table is the output
     trainer.train()
     return {
-        "cpu": statistics.median(clock.cpu[args.warmup :]),
-        "wall": statistics.median(clock.wall[args.warmup :]),
+        "cpu": statistics.fmean(clock.cpu[args.warmup :]),
+        "wall": statistics.fmean(clock.wall[args.warmup :]),
     }
 
 
@@ -151,10 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
-    modes: list[int | None] = [None, *args.every]
-    times: dict[int | None, list[dict]] = {mode: [] for mode in modes}
+    modes: list[int | str | None] = [None, "again", *args.every]
+    times: dict[int | str | None, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ.setdefault("AMP_TRAINER_CACHE", str(Path(tmp) / "cache"))
         sentences = [
             f"The {_COLOURS[i % 8]} {_THINGS[(i * 3) % 8]} is next to the {_THINGS[(i * 5) % 8]}."
             for i in range(64)
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             order = modes[repeat % len(modes) :] + modes[: repeat % len(modes)]
             for mode in order:
-                times[mode].append(_timed_run(tokenizer, args, mode, Path(tmp) / "run"))
+                every = mode if isinstance(mode, int) else None
+                times[mode].append(_timed_run(tokenizer, args, every, Path(tmp) / "run"))
     print(
         f"## PrecisionMismatchCallback cost: fp16 GRPO step, GPT-2 {args.layers} layers x "
         f"{args.width}, {args.batch_size} completions x {args.completion_length} tokens, CPU"
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"{args.threads} torch thread(s); {args.repeats} repeat(s) of {args.steps} steps per "
-        f"mode, median step after {args.warmup} warm-up step(s); ratio: paired per repeat to "
+        f"mode, mean step after {args.warmup} warm-up step(s); ratio: paired per repeat to "
         "the run without the callback, median [min-max]"
     )
     print()
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             median = statistics.median(r[clock] for r in row)
             span = f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}]"
             cells += [f"{median:.3f}", span]
-        name = "none" if mode is None else f"every {mode} step(s)"
+        name = {None: "none", "again": "none, again (A/A)"}.get(mode, f"every {mode} step(s)")
         print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 

@@ -230,6 +230,20 @@ def test_a_model_with_half_precision_weights_is_refused_naming_a_parameter():
 # --------------------------------------------------------------------------------------------
 # the callback in a plain Trainer
 # --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(every_n_steps=0), r"every_n_steps must be an integer >= 1, got 0"),
+        (dict(precisions=["fp16", "int8"]), r"Unknown precision 'int8'; valid: fp16, bf16, fp32"),
+        (dict(clip_epsilon=0.0), r"clip_epsilon=0\.0 is outside \(0, 1\)"),
+    ],
+    ids=["every-n-steps", "precision", "clip-epsilon"],
+)
+def test_the_callbacks_arguments_are_checked_when_it_is_made(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PrecisionMismatchCallback(**kwargs)
+
+
 class _Prompted(torch.utils.data.Dataset):
     """Causal-LM examples whose first 6 tokens are a prompt (label -100), as SFT masks them."""
 
@@ -423,3 +437,23 @@ def test_grpo_logs_the_functions_figures_for_the_steps_completions(grpo_runs):
         logs[-1]["mismatch/bf16/mean_abs_logprob_diff"]
         > logs[-1]["mismatch/fp16/mean_abs_logprob_diff"]
     )
+
+
+@pytest.mark.slow
+def test_the_cost_benchmark_prints_the_machine_and_one_ratio_row_per_mode(capsys):
+    from test_benchmarks import _load_script
+
+    bench = _load_script("bench_mismatch")
+    argv = ["--steps", "2", "--warmup", "1", "--repeats", "1", "--every", "1", "--layers", "1"]
+    assert (
+        bench.main([*argv, "--width", "32", "--batch-size", "4", "--completion-length", "4"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "Machine: CPU " in out and "commit " in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x [" in line]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| none",
+        "| none, again (A/A)",
+        "| every 1 step(s)",
+    ]
+    assert rows[0].split(" | ")[2] == "1.000x [1.000-1.000]"
