@@ -13,7 +13,10 @@ in machine load hits all alike; the ratio column is the paired per-repeat ratio 
 without the callback, median [min-max].
 
 Two clocks: process CPU time (all threads of this process; other processes on a shared machine
-do not count) and wall time. With ``--threads 1`` the CPU time is all the work a step does.
+do not count) and wall time. With ``--threads 1`` the CPU time is all the work a step does. The
+meter's own CPU time at each sampled step is timed too, within the same runs: on a loaded
+machine the ratio that implies (``1 + own / (N x step)``) is steadier than the difference
+between two runs.
 
 Usage::
 
@@ -89,9 +92,26 @@ def _timed_run(tokenizer: Any, args: argparse.Namespace, every: int | None, out:
     )
     model.generation_config.pad_token_id = eos
     clock = StepClock()
+
+    class TimedMeter(PrecisionMismatchCallback):
+        """The meter, with the CPU time of its own work at each sampled step's end."""
+
+        def __init__(self, every_n_steps: int) -> None:
+            super().__init__(every_n_steps=every_n_steps)
+            self.own: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            start = time.process_time()
+            sampled = self._recording
+            super().on_step_end(args, state, control, **kwargs)
+            if sampled:
+                self.own.append(time.process_time() - start)
+
     callbacks: list[Any] = [clock]
+    meter = None
     if every is not None:
-        callbacks.insert(0, PrecisionMismatchCallback(every_n_steps=every))
+        meter = TimedMeter(every_n_steps=every)
+        callbacks.insert(0, meter)
     trainer = AmpGRPOTrainer(
         model=model,
         reward_funcs=_says_a_colour,
@@ -119,6 +139,7 @@ def _timed_run(tokenizer: Any, args: argparse.Namespace, every: int | None, out:
     return {
         "cpu": statistics.fmean(clock.cpu[args.warmup :]),
         "wall": statistics.fmean(clock.wall[args.warmup :]),
+        "meter_cpu": statistics.fmean(meter.own) if meter is not None and meter.own else None,
     }
 
 
@@ -191,6 +212,17 @@ def main(argv: list[str] | None = None) -> int:
             cells += [f"{median:.3f}", span]
         name = {None: "none", "again": "none, again (A/A)"}.get(mode, f"every {mode} step(s)")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    own = [r["meter_cpu"] for mode in args.every for r in times[mode] if r["meter_cpu"]]
+    if own:
+        step = statistics.median(r["cpu"] for r in base)
+        meter = statistics.median(own)
+        implied = ", ".join(f"every {n}: {1 + meter / (n * step):.3f}x" for n in (1, 10, 100))
+        print()
+        print(
+            f"The meter's own work at a sampled step's end: {meter:.3f} CPU s (median of "
+            f"{len(own)} measured steps), {meter / step:.1%} of a step without it; the ratio "
+            f"that implies: {implied}."
+        )
     return 0
 
 
