@@ -710,6 +710,8 @@ def _run_mismatch(args: argparse.Namespace) -> int:
     texts = (
         args.texts[: args.max_texts] if args.texts else _load_texts(args.data, args.max_texts)[0]
     )
+    if args.json and not Path(args.json).parent.is_dir():  # before the model loads
+        raise UsageError(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = str(torch.device(device))
@@ -722,6 +724,11 @@ def _run_mismatch(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model}: no tokenizer saved there to encode the texts")
     if tokenizer.pad_token is None:  # a causal LM's tokenizer often has none; padding is masked
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        if tokenizer.pad_token is None and len(texts) > 1:
+            raise UsageError(
+                f"--model {args.model}: its tokenizer has no pad, eos or unk token to pad the "
+                "texts with; score one text at a time"
+            )
     tokenizer.padding_side = "right"
     batch = tokenizer(
         list(texts),

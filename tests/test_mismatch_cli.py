@@ -99,8 +99,9 @@ def test_an_fp16_overflow_exits_one_naming_the_module(tokenizer, tmp_path, capsy
         ([], "one of the arguments --texts --data is required"),
         (["--texts", "x", "--clip-epsilon", "0"], "--clip-epsilon: 0 is outside (0, 1]"),
         (["--data", "nope.txt"], "--data nope.txt: no such file"),
+        (["--texts", "x", "--json", "no/such/dir/m.json"], "directory no/such/dir does not exist"),
     ],
-    ids=["unknown-precision", "no-texts", "clip-epsilon", "missing-data"],
+    ids=["unknown-precision", "no-texts", "clip-epsilon", "missing-data", "json-folder"],
 )
 def test_usage_errors_are_one_line_exit_two(
     gpt2_dir, argv, expected, capsys, monkeypatch, tmp_path
