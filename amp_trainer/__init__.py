@@ -28,6 +28,7 @@ __all__ = [
     "LossScaleError",
     "NonFiniteForwardError",
     "ParityResult",
+    "PrecisionMismatchCallback",
     "SampleInputsError",
     "ScalerStats",
     "StageResult",
@@ -39,6 +40,7 @@ __all__ = [
     "keep_in_fp32",
     "keep_norms_in_fp32",
     "load_fp16_export",
+    "measure_precision_mismatch",
 ]
 
 _WHERE = {
@@ -67,6 +69,8 @@ _WHERE = {
     "StageResult": "amp_trainer.doctor",
     "Verdict": "amp_trainer.doctor",
     "diagnose": "amp_trainer.doctor",
+    "PrecisionMismatchCallback": "amp_trainer.mismatch",
+    "measure_precision_mismatch": "amp_trainer.mismatch",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -86,6 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         NonFiniteForwardError,
     )
     from amp_trainer.islands import keep_in_fp32, keep_norms_in_fp32
+    from amp_trainer.mismatch import PrecisionMismatchCallback, measure_precision_mismatch
     from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
     from amp_trainer.trainer import AmpSeq2SeqTrainer, AmpTrainer, AmpTrainerMixin
     from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments

@@ -61,6 +61,7 @@ def deepspeed_fp16_config(
     backoff_factor: float = 0.5,
     max_scale: float | None = None,
     on_min_scale: str = "raise",
+    grow_on_underflow: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """Our scaler's knobs as DeepSpeed's ``"fp16"`` config section (dynamic loss scaling).
@@ -71,7 +72,8 @@ def deepspeed_fp16_config(
     :class:`DynamicLossScaler`'s (``hysteresis=1``, torch's behaviour; DeepSpeed's own default is
     2). What DeepSpeed 0.19.8 cannot express is refused with the reason: growth/backoff other than
     x2 / x0.5, a ``max_scale``, an ``on_min_scale`` other than ``"raise"`` (its scaler raises at
-    the minimum) and a fractional ``min_scale`` (its parser wants an integer ``min_loss_scale``).
+    the minimum), ``grow_on_underflow=True`` (it has no underflow meter) and a fractional
+    ``min_scale`` (its parser wants an integer ``min_loss_scale``).
     One difference stays: DeepSpeed grows the scale first after ``growth_interval + 1`` clean
     steps (counted from the start or the last overflow), then every ``growth_interval``.
     ``extra`` adds other keys of the section as they are (``auto_cast``,
@@ -91,6 +93,11 @@ def deepspeed_fp16_config(
         raise ValueError(
             f"DeepSpeed's dynamic loss scaler has no upper bound: max_scale must be None, got "
             f"{max_scale!r}"
+        )
+    if grow_on_underflow:
+        raise ValueError(
+            "DeepSpeed's dynamic loss scaler has no underflow meter: grow_on_underflow must be "
+            "False under DeepSpeed, got True"
         )
     if on_min_scale != "raise":
         raise ValueError(

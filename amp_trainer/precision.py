@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "cast_trainable_params_to_fp32",
     "check_trainable_params_fp32",
     "resolve_precision",
+    "without_autocast_wrapper",
 ]
 
 logger = logging.getLogger(__name__)
@@ -230,6 +232,27 @@ def autocast_for(
         return contextlib.nullcontext()
     device_type = _as_device(device).type
     return torch.autocast(device_type=device_type, dtype=_DTYPES[canonical])
+
+
+@contextlib.contextmanager
+def without_autocast_wrapper(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with its own ``forward`` for the duration of the block.
+
+    Accelerate's ``prepare()`` replaces a model's ``forward`` with one wrapped in the run's
+    autocast (keeping the original as ``_original_forward``), and that autocast is the innermost
+    one: an FP32 re-run, or a forward in another precision, inside it would still compute in the
+    run's precision. The wrapper is put back on exit; a model without one is left as it is.
+    """
+    wrapped = model.__dict__.get("forward")
+    original = model.__dict__.get("_original_forward")
+    if wrapped is None or original is None:
+        yield model
+        return
+    model.forward = original
+    try:
+        yield model
+    finally:
+        model.forward = wrapped
 
 
 # --------------------------------------------------------------------------------------------

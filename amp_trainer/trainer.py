@@ -76,6 +76,7 @@ from amp_trainer.accelerate_hooks import clip_grad_norm_in_one_pass, install_sca
 from amp_trainer.checkpointing import CheckpointKeeper
 from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import apply_fp32_policy, recorded_fp32_islands, restore_fp32_islands
+from amp_trainer.mismatch import PrecisionMismatchCallback
 from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
@@ -347,6 +348,9 @@ class AmpTrainerMixin(Trainer):
         super().__init__(*args, **kwargs)
         self._place_loss_scale_monitor()
         self._tensorboard_under_output_dir()
+        for callback in list(self.callback_handler.callbacks):
+            if isinstance(callback, PrecisionMismatchCallback):
+                callback.attach(self)  # it logs through this trainer (see its docstring)
         self._checkpoints.take_over_jit_checkpoint()
 
         stock = self.model_accepts_loss_kwargs

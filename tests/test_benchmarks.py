@@ -59,9 +59,13 @@ def test_list_names_every_benchmark_folder_with_what_it_measures():
     assert done.returncode == 0, done.stderr
     listed = [line.split()[0] for line in done.stdout.splitlines()[: len(TOPICS)]]
     assert listed == TOPICS
-    assert {"clip", "fidelity", "gpu", "islands", "recipes", "scaler", "trainer"} <= set(TOPICS)
+    assert {
+        "clip", "fidelity", "gpu", "islands", "mismatch", "recipes", "scaler", "trainer",
+        "underflow",
+    } <= set(TOPICS)  # fmt: skip
     first_line = _load_topic("scaler").__doc__.split("\n")[0]
-    assert f"scaler    {first_line}" in done.stdout
+    width = max(map(len, TOPICS))
+    assert f"{'scaler':<{width}}  {first_line}" in done.stdout
 
 
 def test_run_of_an_unknown_benchmark_fails_and_names_the_valid_ones(capsys):

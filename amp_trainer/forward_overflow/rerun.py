@@ -13,6 +13,7 @@ is asked whether the run is diverging instead: then no island is added.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -31,6 +32,7 @@ from amp_trainer.islands import (
     restore_fp32_islands,
 )
 from amp_trainer.numerics import describe_module, iter_tensors, nonfinite_inputs
+from amp_trainer.precision import without_autocast_wrapper
 from amp_trainer.scaler import LossScaleError
 
 __all__ = [
@@ -301,23 +303,16 @@ class ForwardRerun:
         device_type = self._device_type(inputs)
         # The re-run must not move the training run's RNG (dropout masks of later steps).
         devices = [torch.cuda.current_device()] if device_type == "cuda" else []
-        # Accelerate's prepare() wraps the model's own forward in an FP16 autocast (and keeps
-        # the original as _original_forward): the FP32 run must bypass that wrapper.
-        wrapped = self.model.__dict__.get("forward")
-        original = self.model.__dict__.get("_original_forward")
-        try:
-            if not fp16 and wrapped is not None and original is not None:
-                self.model.forward = original
-            with (
-                torch.random.fork_rng(devices=devices),
-                torch.no_grad(),
-                OverflowLocator(self.model, census=not fp16) as locator,
-                torch.autocast(device_type, dtype=self.dtype, enabled=fp16),
-            ):
-                output = self.forward(self.model, inputs)
-        finally:
-            if wrapped is not None:
-                self.model.forward = wrapped
+        # Accelerate's prepare() wraps the model's own forward in an FP16 autocast: the FP32
+        # run must bypass that wrapper.
+        with (
+            without_autocast_wrapper(self.model) if not fp16 else contextlib.nullcontext(),
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            OverflowLocator(self.model, census=not fp16) as locator,
+            torch.autocast(device_type, dtype=self.dtype, enabled=fp16),
+        ):
+            output = self.forward(self.model, inputs)
         return locator.located(output)
 
     def _raise_if_fp32_fails(self, step: int, fp32: Located, culprit: str | None) -> None:
