@@ -293,3 +293,36 @@ def test_a_usage_error_in_two_processes_is_torchruns_summary_naming_the_recipes_
     root_cause = result.stderr.split("Root Cause (first observed failure):", 1)[1]
     assert f"  traceback : {RECIPE_LINE}" in root_cause.splitlines()
     assert "To enable traceback see" not in result.stderr  # what it said without the error file
+
+
+@pytest.mark.parametrize(
+    ("argv", "asked"),
+    [
+        (["/v/bin/python", "/v/bin/accelerate", "launch", "--num_processes", "2", "x.py"], 2),
+        (["/v/bin/accelerate", "launch", "--num_processes=4", "--cpu", "x.py"], 4),
+        (["/v/bin/accelerate", "launch", "x.py"], None),
+        (["python", "x.py", "--num_processes", "2"], None),
+    ],
+)
+def test_the_processes_a_launcher_command_line_asked_for_are_read(argv, asked):
+    from amp_trainer.recipes.launcher import processes_asked
+
+    assert processes_asked(argv) == asked
+
+
+def test_two_processes_asked_with_cpu_say_that_one_runs_and_how_to_run_two(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    result = launch(
+        ["--num_processes", "2", "--cpu", "--num_machines", "1", "--dynamo_backend", "no"],
+        [*ONE_STEP, "--output_dir", str(run_dir)],
+        tmp_path,
+        cache,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "--num_processes 2" in line]
+    assert len(said) == 1, result.stderr[-3000:]
+    assert said[0].endswith(
+        "accelerate launch asked for --num_processes 2 but started 1 process (on a CPU, --cpu "
+        "runs one process); for several CPU processes use the config that does: accelerate "
+        "launch --config_file configs/accelerate/cpu_2proc.yaml recipes/finetune_bert.py"
+    )

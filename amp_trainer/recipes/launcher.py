@@ -28,7 +28,7 @@ from typing import Any
 
 from amp_trainer.recipes.config import UsageError
 
-__all__ = ["LAUNCHER_ENV", "LauncherPrecision"]
+__all__ = ["LAUNCHER_ENV", "LauncherPrecision", "one_process_notice", "processes_asked"]
 
 #: What ``accelerate launch`` exports to the script: its ``--mixed_precision`` or config value.
 LAUNCHER_ENV = "ACCELERATE_MIXED_PRECISION"
@@ -134,3 +134,47 @@ class LauncherPrecision:
                 "precision the recipes train in: launch with --mixed_precision fp16, bf16 or "
                 "no, or pass --precision fp16|bf16|fp32"
             )
+
+
+def processes_asked(launcher_argv: Sequence[str]) -> int | None:
+    """The ``--num_processes`` an ``accelerate launch`` command line asked for (``None``: it
+    is no such command line, or it did not say)."""
+    argv = list(launcher_argv)
+    if "launch" not in argv[:3] or not any("accelerate" in part for part in argv[:2]):
+        return None
+    for index, part in enumerate(argv):
+        value = None
+        if part == "--num_processes" and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif part.startswith("--num_processes="):
+            value = part.split("=", 1)[1]
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _parent_argv() -> list[str]:
+    """The command line of the process that started this one (Linux ``/proc``; else none)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+            return [part.decode(errors="replace") for part in handle.read().split(b"\0") if part]
+    except OSError:
+        return []
+
+
+def one_process_notice(world_size: int, script: str) -> str | None:
+    """The line for ``accelerate launch --num_processes 2 --cpu``, which starts ONE process on
+    a CPU (accelerate 1.10 to 1.15: ``--cpu`` runs the single-process launcher and drops
+    ``--num_processes``), so the run trains with ``world_size=1`` without a word. ``None`` when
+    the run has the processes it asked for, or was not started by ``accelerate launch``."""
+    asked = processes_asked(_parent_argv())
+    if asked is None or asked <= 1 or world_size >= asked:
+        return None
+    return (
+        f"accelerate launch asked for --num_processes {asked} but started {world_size} process "
+        "(on a CPU, --cpu runs one process); for several CPU processes use the config that "
+        "does: accelerate launch --config_file configs/accelerate/cpu_2proc.yaml " + script
+    )

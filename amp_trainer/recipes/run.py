@@ -48,7 +48,7 @@ from amp_trainer.recipes.data import (
     OFFLINE_DATASET,
 )
 from amp_trainer.recipes.held_logs import holding_library_logs, release
-from amp_trainer.recipes.launcher import LauncherPrecision
+from amp_trainer.recipes.launcher import LauncherPrecision, one_process_notice
 from amp_trainer.recipes.models import (
     TINY_MODEL_CONFIGS,
     check_model_path,
@@ -295,6 +295,9 @@ class RecipeRun:
         )
         if self.precision_note:
             log.warning(self.precision_note)
+        processes = one_process_notice(args.world_size, f"recipes/{self.name}.py")
+        if processes is not None and args.should_log:
+            log.warning(processes)
         for notice in self.notices if args.should_log else ():  # the same on every rank
             log.warning(notice)
 
