@@ -6,7 +6,6 @@ import copy
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from amp_trainer.accelerate_hooks import AmpAccelerator, install_scaler
 from amp_trainer.deepspeed import deepspeed_fp16_config
 from amp_trainer.islands import is_fp32_island, keep_norms_in_fp32
 from amp_trainer.scaler import DynamicLossScaler
-from tests.conftest import REPO_ROOT, make_tiny_bert, make_tiny_gpt2, subprocess_env
+from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2
 
 
 @pytest.fixture(autouse=True)
@@ -456,28 +456,3 @@ def test_the_accelerate_loop_example_runs_and_reports_loss_and_scale():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loss scale" in result.stdout
     assert "skipped" in result.stdout
-
-
-@pytest.mark.slow
-def test_the_accelerate_loop_example_runs_on_two_cpu_processes_with_the_cpu_launcher_config():
-    accelerate = Path(sys.executable).with_name("accelerate")
-    result = subprocess.run(
-        [
-            str(accelerate),
-            "launch",
-            "--config_file",
-            str(REPO_ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"),
-            str(REPO_ROOT / "examples" / "accelerate_loop.py"),
-            "--steps",
-            "4",
-            "--cpu",
-        ],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO_ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "processes: 2" in result.stdout
-    assert "1 skipped, 1 backoffs" in result.stdout

@@ -18,7 +18,7 @@ from torch import nn
 
 from amp_trainer import precision
 from amp_trainer.accelerate_hooks import AmpAccelerator
-from tests.conftest import reset_accelerate_state
+from tests.helpers.training import reset_accelerate_state
 
 
 @pytest.fixture(autouse=True)

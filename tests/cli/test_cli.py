@@ -8,11 +8,13 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO_ROOT, make_tiny_bert, subprocess_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from amp_trainer.cli import main
+from tests.helpers.cli import one_line_error
+from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.tiny_models import make_tiny_bert
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "great", "dull", "film", "plot"]
 
@@ -37,14 +39,6 @@ def overflowing_model_dir(tmp_path_factory):
         model.bert.encoder.layer[0].intermediate.dense.weight.mul_(5e5)
     model.save_pretrained(folder)
     return folder
-
-
-def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 def test_module_help_lists_the_subcommands_with_examples():

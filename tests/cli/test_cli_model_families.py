@@ -4,7 +4,7 @@ gaps).
 
 The doctor builds its probe batch as export does (:mod:`amp_trainer.export.sample_inputs`),
 plus labels so the model has a loss; ``--sample-inputs`` reads a .safetensors or .pt file of
-named tensors. The models are tiny configs from tests/test_export_families.py, saved without
+named tensors. The models are tiny configs from tests/helpers/tiny_models.py, saved without
 any download.
 """
 
@@ -17,12 +17,12 @@ import sys
 import pytest
 import torch
 import transformers as tf
-from conftest import REPO_ROOT, subprocess_env
 from safetensors.torch import save_file
-from test_cli import one_line_error
-from test_export_families import tiny_bart, tiny_t5, tiny_vit, tiny_wav2vec2_ctc, tiny_whisper
 
 from amp_trainer.cli import main
+from tests.helpers.cli import one_line_error
+from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.tiny_models import tiny_bart, tiny_t5, tiny_vit, tiny_wav2vec2_ctc, tiny_whisper
 
 MAKERS = {
     "vit": tiny_vit,

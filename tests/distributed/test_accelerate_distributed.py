@@ -1,6 +1,6 @@
 """Two real processes on gloo: an overflow on one rank is a skip on every rank.
 
-One launch of tests/workers/ddp_overflow.py (start-up dominates the cost) feeds several tests.
+One launch of workers/ddp_overflow.py (start-up dominates the cost) feeds several tests.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, run_two_gloo_ranks
+from tests.helpers.distributed import WORKERS, run_two_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
-WORKER = REPO_ROOT / "tests" / "workers" / "ddp_overflow.py"
+WORKER = WORKERS / "ddp_overflow.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """FP16 under torch's FSDP2 on two real gloo processes (CPU): watched scaler, islands, Accelerate.
 
-One launch of tests/workers/fsdp2_scaleout.py (start-up dominates the cost) feeds every test here.
+One launch of workers/fsdp2_scaleout.py (start-up dominates the cost) feeds every test here.
 Accelerate itself runs FSDP only on accelerators (with ``cpu=True`` it ignores the FSDP plugin and
 uses DDP), so the sharded code paths are exercised with ``fully_shard`` directly.
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED, run_two_gloo_ranks
+from tests.helpers.distributed import WORKERS, XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED, run_two_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
-WORKER = REPO_ROOT / "tests" / "workers" / "fsdp2_scaleout.py"
+WORKER = WORKERS / "fsdp2_scaleout.py"
 
 
 @pytest.fixture(scope="module")

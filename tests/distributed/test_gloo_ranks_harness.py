@@ -1,6 +1,6 @@
-"""The two-rank torchrun helper of the distributed tests (``conftest.run_two_gloo_ranks``): a run
-that hangs is reported as a timeout and leaves no worker behind to burn CPU for the rest of the
-suite."""
+"""The two-rank torchrun helper of the distributed tests
+(``tests.helpers.distributed.run_two_gloo_ranks``): a run that hangs is reported as a timeout and
+leaves no worker behind to burn CPU for the rest of the suite."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, run_two_gloo_ranks
+
+from tests.helpers.distributed import WORKERS, run_two_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
-WORKER = REPO_ROOT / "tests" / "workers" / "sleep_forever.py"
+WORKER = WORKERS / "sleep_forever.py"
 TIMEOUT = 15  # torchrun and two python workers start in a few seconds even on a loaded CPU
 
 

@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, run_two_gloo_ranks
+from tests.helpers.distributed import WORKERS, run_two_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
-WORKER = REPO_ROOT / "tests" / "workers" / "trainer_eval_first.py"
+WORKER = WORKERS / "trainer_eval_first.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """AmpTrainer on Accelerate's FSDP2 code path, two gloo ranks on CPU, with a checkpoint resume.
 
-One launch of tests/workers/trainer_fsdp2.py. Accelerate enables FSDP only on accelerators, so the
+One launch of workers/trainer_fsdp2.py. Accelerate enables FSDP only on accelerators, so the
 worker forces its state as a GPU launch would set it (see the worker); the rest is stock Trainer
 and Accelerate FSDP2 code. Issue 18: an overflow in one rank's gradient shard is a skip on both
 ranks with the same scale, the scaler names the parameter, FP32 norms work under the fp16
@@ -15,11 +15,11 @@ import json
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED, run_two_gloo_ranks
+from tests.helpers.distributed import WORKERS, XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED, run_two_gloo_ranks
 
 pytestmark = pytest.mark.slow
 
-WORKER = REPO_ROOT / "tests" / "workers" / "trainer_fsdp2.py"
+WORKER = WORKERS / "trainer_fsdp2.py"
 
 
 @pytest.fixture(scope="module")

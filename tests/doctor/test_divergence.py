@@ -17,14 +17,13 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_bert, tiny_training_args
-from test_doctor import bert_batch
-from test_trainer_support import ToyClassification
 from torch import nn
 
 from amp_trainer import AmpTrainer, DivergenceError, DynamicLossScaler, Verdict, diagnose
 from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import ISLANDS_CONFIG_KEY, is_fp32_island
+from tests.helpers.tiny_models import bert_batch, make_tiny_bert
+from tests.helpers.training import ToyClassification, tiny_training_args
 
 BOOSTED = "bert.encoder.layer.0.intermediate.dense"
 

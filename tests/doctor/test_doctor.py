@@ -6,21 +6,11 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_bert, make_tiny_gpt2
 from torch import nn
 
 from amp_trainer.doctor import Verdict, diagnose
 from amp_trainer.numerics import FP16_MAX, OverflowProbe
-
-
-def bert_batch(labels=(0, 1, 0, 1), seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, 128, (len(labels), 12), generator=generator)
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "labels": torch.tensor(labels),
-    }
+from tests.helpers.tiny_models import bert_batch, make_tiny_bert, make_tiny_gpt2
 
 
 class ConstantInputNorm(nn.Module):

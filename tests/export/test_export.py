@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_bert, make_tiny_gpt2
 
 from amp_trainer.export import (
     CONFIG_KEY,
@@ -14,6 +13,7 @@ from amp_trainer.export import (
     load_fp16_export,
     make_sample_batch,
 )
+from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2
 
 WORDS = [
     "the",

@@ -18,101 +18,14 @@ from amp_trainer.export import (
     load_fp16_export,
     make_sample_batch,
 )
-
-
-def tiny_t5(**overrides):
-    torch.manual_seed(0)
-    config = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
-    config.update(pad_token_id=0, decoder_start_token_id=0)  # as t5-small's config.json has it
-    config.update(overrides)
-    return tf.T5ForConditionalGeneration(tf.T5Config(**config))
-
-
-def tiny_bart():
-    torch.manual_seed(0)
-    config = tf.BartConfig(
-        vocab_size=128,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-    )
-    return tf.BartForConditionalGeneration(config)
-
-
-def tiny_whisper():
-    torch.manual_seed(0)
-    config = tf.WhisperConfig(
-        vocab_size=128,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        num_mel_bins=16,
-        max_source_positions=32,  # 64 feature frames: two stride-1/stride-2 convolutions
-        max_target_positions=32,
-        decoder_start_token_id=1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return tf.WhisperForConditionalGeneration(config)
-
-
-def tiny_vit():
-    torch.manual_seed(0)
-    config = tf.ViTConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        image_size=32,
-        patch_size=8,
-        num_labels=3,
-    )
-    return tf.ViTForImageClassification(config)
-
-
-def tiny_llama():
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return tf.LlamaForCausalLM(config)
-
-
-def tiny_wav2vec2_ctc(**overrides):
-    torch.manual_seed(0)
-    config = tf.Wav2Vec2Config(
-        vocab_size=32,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=2,
-        **overrides,
-    )
-    return tf.Wav2Vec2ForCTC(config)
-
+from tests.helpers.tiny_models import (
+    tiny_bart,
+    tiny_llama,
+    tiny_t5,
+    tiny_vit,
+    tiny_wav2vec2_ctc,
+    tiny_whisper,
+)
 
 FAMILIES = {
     "t5": (tiny_t5, ["input_ids", "attention_mask", "decoder_input_ids"]),

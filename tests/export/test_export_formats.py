@@ -12,9 +12,9 @@ import json
 
 import pytest
 import torch
-from test_export_families import tiny_bart, tiny_llama, tiny_t5, tiny_vit, tiny_whisper
 
 from amp_trainer.export import FORMATS, export_fp16, make_sample_batch
+from tests.helpers.tiny_models import tiny_bart, tiny_llama, tiny_t5, tiny_vit, tiny_whisper
 
 
 def test_pt2_is_a_format_and_torchscript_comes_last():

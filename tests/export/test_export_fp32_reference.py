@@ -11,9 +11,9 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_bert
 
 from amp_trainer import AmpAccelerator, export_fp16
+from tests.helpers.tiny_models import make_tiny_bert
 
 
 def test_parity_is_against_fp32_even_when_the_model_keeps_the_autocast_wrapper(tmp_path):

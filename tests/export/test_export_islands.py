@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import make_tiny_bert, make_tiny_gpt2
 from safetensors import safe_open
 
 from amp_trainer import export_fp16, keep_in_fp32
 from amp_trainer.export import load_fp16_export
 from amp_trainer.islands import ISLANDS_CONFIG_KEY, is_fp32_island, record_fp32_islands
+from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2, tiny_phi3, tiny_t5
+from tests.helpers.training import ToyClassification, ToyLanguageModeling, tiny_training_args
 
 
 def gpt2_whose_block0_mlp_overflows():
@@ -67,9 +68,6 @@ def test_islands_a_model_was_trained_with_are_kept_fp32_in_the_export(tmp_path):
 
 
 def test_a_model_trained_by_amptrainer_exports_with_the_island_training_added(tmp_path):
-    from conftest import tiny_training_args
-    from test_trainer_support import ToyClassification
-
     from amp_trainer import AmpTrainer
 
     model = make_tiny_bert()
@@ -89,26 +87,6 @@ def test_a_model_trained_by_amptrainer_exports_with_the_island_training_added(tm
     assert culprit in report.fp32_islands
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as handle:
         assert handle.get_tensor(f"{culprit}.weight").dtype == torch.float32
-
-
-def tiny_phi3(seed: int = 0):
-    """A 2-layer, 32-wide Phi3 causal LM: pre-norm blocks, untied FP16 head."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Phi3Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return Phi3ForCausalLM(config)
 
 
 def boost_phi3_block0(model, factor: float = 1e8):
@@ -142,9 +120,6 @@ def test_phi3_whose_guard_widened_to_the_backbone_reloads_and_runs(tmp_path):
 
 
 def test_phi3_trained_by_amptrainer_with_an_overflow_island_exports_reloads_and_runs(tmp_path):
-    from conftest import tiny_training_args
-    from test_trainer_support import ToyLanguageModeling
-
     from amp_trainer import AmpTrainer
 
     model = boost_phi3_block0(tiny_phi3())
@@ -168,14 +143,7 @@ def test_t5_whose_ffn_output_overflows_exports_reloads_and_runs(tmp_path):
     wo's weight dtype, so a wo island gets FP32 and hands FP32 on (the guard widens it); the
     widened encoder shares its embedding with the decoder and the head, and the decoder's tied
     embedding, fed only ids, must still hand FP16 to the FP16 decoder."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        pad_token_id=0, decoder_start_token_id=0,
-    )  # fmt: skip
-    model = T5ForConditionalGeneration(config).eval()
+    model = tiny_t5().eval()
     with torch.no_grad():
         model.encoder.block[0].layer[1].DenseReluDense.wo.weight.mul_(1e7)
     report = export_fp16(model, tmp_path / "out")

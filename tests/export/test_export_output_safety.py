@@ -17,10 +17,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import make_tiny_bert, make_tiny_gpt2, subprocess_env
 
 from amp_trainer.cli import main
 from amp_trainer.export import export_fp16
+from tests.helpers.repo import subprocess_env
+from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2
 
 
 @pytest.fixture
@@ -140,9 +141,8 @@ def test_export_folder_gets_the_permissions_of_any_new_folder(tmp_path):
 
 # ---- killed exports ---------------------------------------------------------------------------
 _KILLED_EXPORT = """
-import os, signal, sys
-sys.path.insert(0, {tests!r})
-from conftest import make_tiny_gpt2
+import os, signal
+from tests.helpers.tiny_models import make_tiny_gpt2
 import amp_trainer.export as export
 
 real_replace = os.replace  # the staging transaction (amp_trainer.export.staging) renames with it
@@ -162,7 +162,7 @@ export.export_fp16(make_tiny_gpt2(seed=1), out, overwrite=True)
 
 def run_killed_export(out: Path, mode: str) -> None:
     """Run an export in a subprocess that SIGKILLs itself at the rename ``mode`` names."""
-    script = _KILLED_EXPORT.format(tests=str(Path(__file__).parent), out=str(out), mode=mode)
+    script = _KILLED_EXPORT.format(out=str(out), mode=mode)
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         env=subprocess_env(),
@@ -229,9 +229,7 @@ def test_too_little_free_space_is_refused_before_anything_is_written(tmp_path):
 
 
 _FULL_DISK_EXPORT = """
-import sys
-sys.path.insert(0, {tests!r})
-from conftest import make_tiny_gpt2
+from tests.helpers.tiny_models import make_tiny_gpt2
 import amp_trainer.export as export
 import amp_trainer.export.staging as staging
 
@@ -243,9 +241,7 @@ export.export_fp16(make_tiny_gpt2(vocab_size=1500), {out!r}, formats={formats!r}
 @pytest.mark.slow  # a subprocess: start-up dominates
 @pytest.mark.parametrize("formats", [("torchscript",), ("onnx",)])
 def test_disk_full_during_an_extra_format_raises_instead_of_aborting(small_disk, formats):
-    script = _FULL_DISK_EXPORT.format(
-        tests=str(Path(__file__).parent), out=str(small_disk / "fp16"), formats=formats
-    )
+    script = _FULL_DISK_EXPORT.format(out=str(small_disk / "fp16"), formats=formats)
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         env=subprocess_env(),

@@ -1,16 +1,62 @@
-"""Shared pieces for the tests/test_trainer*.py files (no tests here).
+"""What the training tests share: a tiny run's arguments, tiny in-memory datasets, callbacks.
 
-Tiny in-memory datasets, a callback that injects a real overflow on chosen optimizer steps, a
-callback that records what Trainer's own callbacks see, and the one switch that puts a *stock*
-Trainer onto its real CUDA-style fp16 path on a CPU so its defects can be shown here.
+A tiny run's arguments (:func:`tiny_training_args`), tiny in-memory datasets, a callback that
+injects a real overflow on chosen optimizer steps, a callback that records what Trainer's own
+callbacks see, Accelerate's process-wide state reset between runs, and the one switch that puts
+a *stock* Trainer onto its real CUDA-style fp16 path on a CPU so its defects can be shown here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+
+#: A tiny CPU training run: real fp16, 4 optimizer steps of batch 4, every step logged, nothing
+#: saved, reported or drawn as a progress bar.
+TINY_RUN = dict(
+    use_cpu=True,
+    precision="fp16",
+    max_steps=4,
+    per_device_train_batch_size=4,
+    learning_rate=1e-3,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+)
+
+
+def tiny_training_args(output_dir, cls=None, **overrides):
+    """``cls`` (default :class:`amp_trainer.AmpTrainingArguments`) for a :data:`TINY_RUN` writing
+    to ``output_dir``; ``overrides`` win.
+
+    ``precision="fp16"`` is left out when the run names its precision with the stock flags
+    (``fp16=True``, as a drop-in user writes it) and for classes without that field (a stock
+    ``TrainingArguments``).
+    """
+    if cls is None:
+        from amp_trainer import AmpTrainingArguments
+
+        cls = AmpTrainingArguments
+    kwargs = {"output_dir": str(output_dir), **TINY_RUN}
+    has_precision = "precision" in {f.name for f in dataclasses.fields(cls)}
+    if not has_precision or "fp16" in overrides or "bf16" in overrides:
+        del kwargs["precision"]
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide singletons (no-op until a test imported accelerate)."""
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 class ToyClassification(torch.utils.data.Dataset):
@@ -35,6 +81,21 @@ class ToyLanguageModeling(ToyClassification):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = self.input_ids[i]
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+class ToySeq2Seq(torch.utils.data.Dataset):
+    """Random source (10 ids) and target (6 ids) sequences for a 128-id seq2seq model."""
+
+    def __init__(self, n: int = 32, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randint(1, 128, (n, 10), generator=g)
+        self.labels = torch.randint(1, 128, (n, 6), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.inputs[i], "labels": self.labels[i]}
 
 
 class InjectOverflow(TrainerCallback):

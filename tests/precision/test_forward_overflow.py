@@ -12,55 +12,13 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_bert, tiny_training_args
-from transformers import T5Config, T5ForConditionalGeneration
 
 from amp_trainer import AmpAccelerator, AmpTrainer, DynamicLossScaler
 from amp_trainer.forward_overflow import ForwardOverflowGuard, NonFiniteForwardError
 from amp_trainer.islands import ISLANDS_CONFIG_KEY, is_fp32_island, keep_in_fp32
 from amp_trainer.scaler import LossScaleError
-
-WO = "encoder.block.0.layer.1.DenseReluDense.wo"
-
-
-def make_overflowing_t5(declared: bool = False, seed: int = 0) -> T5ForConditionalGeneration:
-    """A 2-layer T5 whose block-0 encoder ``wo`` output is > 65504 on every token (finite FP32).
-
-    ``declared=False`` drops T5's own ``_keep_in_fp32_modules = ["wo"]`` (per instance, as
-    transformers 5 keeps it), i.e. a model that does not know which layer overflows.
-    """
-    torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=128,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    model = T5ForConditionalGeneration(config)
-    if not declared:
-        model._keep_in_fp32_modules = set()
-    with torch.no_grad():
-        model.get_submodule(WO).weight.mul_(1e5)
-    return model
-
-
-class ToySeq2Seq(torch.utils.data.Dataset):
-    def __init__(self, n: int = 32, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.inputs = torch.randint(1, 128, (n, 10), generator=g)
-        self.labels = torch.randint(1, 128, (n, 6), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.inputs)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.inputs[i], "labels": self.labels[i]}
+from tests.helpers.tiny_models import WO, make_overflowing_t5, make_tiny_bert
+from tests.helpers.training import ToySeq2Seq, tiny_training_args
 
 
 def batch_of(dataset: ToySeq2Seq, n: int = 4) -> dict[str, torch.Tensor]:

@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-from conftest import make_tiny_gpt2
 from torch import nn
 
 from amp_trainer import keep_in_fp32
@@ -18,6 +17,7 @@ from amp_trainer.islands import (
     is_fp32_island,
     keep_norms_in_fp32,
 )
+from tests.helpers.tiny_models import make_tiny_gpt2, tiny_t5
 
 
 class Recorder(nn.Module):
@@ -176,10 +176,7 @@ def test_a_norm_made_an_island_for_an_overflow_hands_back_fp32_under_autocast():
 
 
 def test_transformers_declared_fp32_modules_follow_from_pretrained_rules():
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    config = T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
-    model = T5ForConditionalGeneration(config)
+    model = tiny_t5()
     assert declared_fp32_modules(model, "fp16") == ["wo"]
     assert declared_fp32_modules(model, "bf16") == []  # not strict: fp16 only
     names = apply_fp32_policy(model, "fp16")

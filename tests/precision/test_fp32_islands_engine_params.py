@@ -5,7 +5,7 @@ parameters on each module for the forward (``module._parameters[name] = ...``) a
 gradients afterwards; an island that re-cast those to FP32 in place broke the reduction
 (``FSDP reduce-scatter expects uniform gradient dtype``, issue 18 item 2). Here the swap is done by
 hand, as the engine does it, so the mechanism is tested in one process; the two-rank FSDP2 test
-is tests/test_fsdp2_scaleout.py.
+is tests/distributed/test_fsdp2_scaleout.py.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from amp_trainer.precision import (
     check_trainable_params_fp32,
     resolve_precision,
 )
-from tests.conftest import make_tiny_gpt2
+from tests.helpers.tiny_models import make_tiny_gpt2
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import REPO_ROOT, subprocess_env
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 
 def test_bench_islands_prints_plain_and_island_side_by_side_for_every_regime():

@@ -13,7 +13,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from conftest import REPO_ROOT, subprocess_env
+
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 SCRIPTS = REPO_ROOT / "scripts"
 

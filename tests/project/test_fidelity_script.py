@@ -7,7 +7,7 @@ import json
 import statistics
 import sys
 
-from tests.conftest import REPO_ROOT
+from tests.helpers.repo import REPO_ROOT
 
 
 def load_fidelity():

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import REPO_ROOT, subprocess_env
 
 import amp_trainer
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 
 @pytest.mark.parametrize("name", amp_trainer.__all__)

@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, subprocess_env
+
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
 # Pages whose links are checked too (they hold no Python examples).

@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
-from conftest import REPO_ROOT
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+
+from tests.helpers.repo import REPO_ROOT
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 

@@ -27,14 +27,12 @@ from pathlib import Path
 
 import pytest
 from datasets import ClassLabel, Dataset, Features, Value
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from amp_trainer.recipe_support.data import offline_classification_dataset, offline_lm_dataset
-from amp_trainer.recipe_support.tokenizers import (
-    train_byte_level_bpe_tokenizer,
-    train_wordpiece_tokenizer,
-)
-from tests.conftest import REPO_ROOT
+from amp_trainer.recipe_support.tokenizers import train_byte_level_bpe_tokenizer
+from tests.helpers.repo import REPO_ROOT
+from tests.helpers.tiny_models import save_tiny_bert_mlm
 
 pytestmark = [
     pytest.mark.slow,
@@ -96,17 +94,7 @@ def test_bert_sst2_config_runs_on_sst2_schema_and_a_bert_checkpoint(tmp_path, mo
         },
     )
     model_dir = tmp_path / "bert-base-uncased"
-    tokenizer = train_wordpiece_tokenizer(sentences, vocab_size=200, model_max_length=512)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=512,
-    )
-    BertForMaskedLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    save_tiny_bert_mlm(model_dir, sentences, model_max_length=512)
 
     out = tmp_path / "run"
     recipe = load_recipe("finetune_bert", monkeypatch)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +17,9 @@ from transformers.utils import is_torch_bf16_gpu_available
 
 from amp_trainer import AmpTrainingArguments
 from amp_trainer.precision import resolve_precision
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.helpers.recipes import ACCELERATE, BERT
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
 ONE_STEP = ["--max_steps", "1", "--max_train_samples", "16", "--max_eval_samples", "8"]
 ONE_STEP += ["--save_strategy", "no", "--eval_strategy", "no", "--disable_tqdm", "true"]
 

@@ -18,7 +18,6 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO_ROOT, subprocess_env
 
 from amp_trainer.recipe_support.config import (
     EXIT_USAGE,
@@ -27,6 +26,7 @@ from amp_trainer.recipe_support.config import (
     run_entry_point,
 )
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 FAST = ["--max_steps", "1", "--max_train_samples", "16", "--max_eval_samples", "8"]
 FAST += ["--save_strategy", "no"]

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, subprocess_env
+
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow
 

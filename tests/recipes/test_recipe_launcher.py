@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,35 +26,17 @@ import pytest
 
 from amp_trainer.recipe_support.config import EXIT_USAGE, UsageError, run_entry_point
 from amp_trainer.recipe_support.run import RecipeRun
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.helpers.recipes import BERT, FP64_USAGE_ERROR, QUIET_LAUNCHER, launch
+from tests.helpers.repo import REPO_ROOT
 
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
 OFFLINE_YAML = REPO_ROOT / "configs" / "bert_offline.yaml"  # precision: fp16
 ONE_STEP = ["--max_steps", "1", "--max_train_samples", "16", "--max_eval_samples", "8"]
 ONE_STEP += ["--save_strategy", "no", "--eval_strategy", "no", "--disable_tqdm", "true"]
-# Every value the launcher would otherwise fill in with a six-line "were not passed" warning.
-QUIET_LAUNCHER = ["--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("amp-trainer-cache"))
-
-
-def launch(
-    launcher_args: list[str], recipe_args: list[str], tmp_path: Path, cache: str
-) -> subprocess.CompletedProcess:
-    """``accelerate launch LAUNCHER_ARGS recipes/finetune_bert.py RECIPE_ARGS``, with no
-    ``accelerate config`` default file (HF_HOME is empty) unless ``--config_file`` names one."""
-    return subprocess.run(
-        [ACCELERATE, "launch", *launcher_args, BERT, *recipe_args],
-        cwd=REPO_ROOT,
-        env=subprocess_env(AMP_TRAINER_CACHE=cache, HF_HOME=str(tmp_path / "hf_home")),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
 
 
 def trained_precision(result: subprocess.CompletedProcess, run_dir: Path) -> str:
@@ -219,11 +200,6 @@ def test_help_under_the_launcher_shows_the_precision_that_would_run(monkeypatch,
 # Errors: what accelerate launch adds to the recipe's one line
 # --------------------------------------------------------------------------------------------
 
-RECIPE_LINE = (
-    "finetune_bert: error: argument --precision: invalid choice: 'fp64' (choose from 'auto', "
-    "'fp16', 'bf16', 'fp32')"
-)
-
 
 @pytest.mark.slow
 def test_a_usage_error_under_accelerate_launch_is_the_one_line_then_the_launchers_traceback(
@@ -234,7 +210,7 @@ def test_a_usage_error_under_accelerate_launch_is_the_one_line_then_the_launcher
     )
     lines = result.stderr.splitlines()
     assert result.returncode == 1  # the launcher's; the recipe exited 2
-    assert lines[0] == RECIPE_LINE
+    assert lines[0] == FP64_USAGE_ERROR
     assert lines[1] == "Traceback (most recent call last):"
     # The launcher's interpreter, then the recipe's command line and its exit status.
     assert lines[-1].startswith("subprocess.CalledProcessError: Command '['")
@@ -272,24 +248,3 @@ def test_a_failing_worker_leaves_its_one_line_where_torchrun_reads_the_root_caus
     assert run_entry_point(main, "finetune_bert") == EXIT_USAGE
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     assert failure.message == "finetune_bert: error: max_steps must be an int, got 'ten'"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_a_usage_error_in_two_processes_is_torchruns_summary_naming_the_recipes_line(
-    tmp_path, cache
-):
-    launcher = ["--config_file", str(REPO_ROOT / "configs" / "accelerate" / "cpu_2proc.yaml")]
-    launcher += ["--main_process_port", str(free_port())]
-    result = launch(launcher, ["--use_cpu", "true", "--precision", "fp64"], tmp_path, cache)
-    assert result.returncode == 1
-    lines = result.stderr.splitlines()
-    assert lines.count(RECIPE_LINE) == 2  # each rank's
-    root_cause = result.stderr.split("Root Cause (first observed failure):", 1)[1]
-    assert f"  traceback : {RECIPE_LINE}" in root_cause.splitlines()
-    assert "To enable traceback see" not in result.stderr  # what it said without the error file

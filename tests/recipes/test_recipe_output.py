@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.tiny_models import save_tiny_bert_mlm
 
 pytestmark = pytest.mark.slow  # recipe subprocesses: start-up dominates
 
@@ -70,24 +71,10 @@ def sentences(n: int) -> list[str]:
 @pytest.fixture(scope="module")
 def bert_run(tmp_path_factory) -> Run:
     """BERT from a masked-LM checkpoint (new classifier head) on the user's CSV."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    from amp_trainer.recipe_support.tokenizers import train_wordpiece_tokenizer
-
     scratch = tmp_path_factory.mktemp("bert")
     texts = sentences(48)
     model_dir = scratch / "bert-mlm"
-    tokenizer = train_wordpiece_tokenizer(texts, vocab_size=200, model_max_length=128)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-    )
-    BertForMaskedLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    save_tiny_bert_mlm(model_dir, texts, model_max_length=128)
     train = write_csv(
         scratch / "reviews.csv", "text,label", [f"{t},{'ab'[i % 2]}" for i, t in enumerate(texts)]
     )

@@ -20,20 +20,21 @@ import time
 
 import pytest
 import torch
-from conftest import (
-    REPO_ROOT,
-    make_tiny_bert,
-    reset_accelerate_state,
-    run_two_gloo_ranks,
-    subprocess_env,
-    tiny_training_args,
-)
-from test_trainer_support import InjectOverflow, ToyClassification, train_logs
 from transformers import TrainerCallback
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 
 from amp_trainer import AmpTrainer
 from amp_trainer.checkpointing import AMP_STATE_FILE
+from tests.helpers.recipes import BERT
+from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import (
+    InjectOverflow,
+    ToyClassification,
+    reset_accelerate_state,
+    tiny_training_args,
+    train_logs,
+)
 
 MAX_STEPS = 8
 STOP_STEP = 3
@@ -163,25 +164,6 @@ def test_resuming_the_sigterm_checkpoint_is_the_uninterrupted_run(uninterrupted,
     assert resumed.scale_history == uninterrupted.scale_history
 
 
-@pytest.mark.slow
-def test_sigterm_on_one_rank_stops_both_at_the_same_step_with_one_checkpoint(tmp_path):
-    # Rank 1 alone is terminated, inside step 3: both ranks save checkpoint-3 and stop there
-    # (each deciding alone, rank 0 trained on and waited in step 4's all-reduce: a hang).
-    run_two_gloo_ranks(REPO_ROOT / "tests" / "workers" / "jit_checkpoint.py", tmp_path, timeout=240)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    checkpoint = tmp_path / "run" / f"checkpoint-{STOP_STEP}"
-    for rank in ranks:
-        assert rank["global_step"] == STOP_STEP
-        assert rank["jit_checkpoint"] == str(checkpoint)
-    assert ranks[0]["scaler"] == ranks[1]["scaler"]
-    assert [p.name for p in (tmp_path / "run").iterdir()] == [checkpoint.name]
-    saved = torch.load(checkpoint / "scaler.pt", weights_only=True)
-    assert saved == ranks[0]["scaler"]
-    files = {p.name for p in checkpoint.iterdir()}
-    assert {"rng_state_0.pth", "rng_state_1.pth", AMP_STATE_FILE, "trainer_state.json"} <= files
-
-
-BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
 # Growth on every clean step: the scale at the stop is not the initial one, so a resume that
 # restarted the scaler would show.
 RUN = ["--max_train_samples", "64", "--max_eval_samples", "16", "--logging_steps", "1"]

@@ -23,8 +23,6 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, subprocess_env, tiny_training_args
-from test_forward_overflow import WO, ToySeq2Seq, make_overflowing_t5
 
 from amp_trainer import AmpTrainer
 from amp_trainer.recipe_support.config import given_on_command_line
@@ -40,9 +38,11 @@ from amp_trainer.recipe_support.reporting import (
     validation_size_hint,
 )
 from amp_trainer.recipe_support.run import RecipeRun
+from tests.helpers.recipes import BERT, GPT2
+from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.tiny_models import WO, make_overflowing_t5
+from tests.helpers.training import ToySeq2Seq, tiny_training_args
 
-BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
-GPT2 = str(REPO_ROOT / "recipes" / "finetune_gpt2.py")
 LOGS = [{"step": s, "loss": 2.0 / s} for s in range(1, 9)] + [{"step": 8, "eval_loss": 0.4}]
 
 

@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, subprocess_env
+
+from tests.helpers.recipes import BERT
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
 RUN = ["--max_steps", "4", "--max_train_samples", "64", "--max_eval_samples", "16"]
 RUN += ["--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2"]
 RUN += ["--save_total_limit", "5", "--loss_scale_init", "16777216"]  # 2**24: overflows to count

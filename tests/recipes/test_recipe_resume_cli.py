@@ -17,11 +17,12 @@ import sys
 import time
 
 import pytest
-from conftest import REPO_ROOT, subprocess_env
+
+from tests.helpers.recipes import BERT
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
 RUN = ["--max_train_samples", "64", "--max_eval_samples", "16", "--logging_steps", "1"]
 RUN += ["--save_strategy", "steps", "--save_steps", "1", "--save_total_limit", "5"]
 

@@ -18,11 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, subprocess_env
+
+from tests.helpers.recipes import BERT
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
 RUN = ["--max_steps", "4", "--max_train_samples", "32", "--max_eval_samples", "8"]
 RUN += ["--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "5"]
 

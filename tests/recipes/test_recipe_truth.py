@@ -25,11 +25,11 @@ import torch
 
 from amp_trainer import load_fp16_export
 from amp_trainer.export import load_model, load_tokenizer, make_sample_batch
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.helpers.recipes import BERT
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
 STEPS = 4
 # growth every 2 clean steps: 65536 -> 131072 after step 2 -> 262144 after step 4, so the scale
 # a step ran with (131072 at step 4) and the scale after it (262144) differ at the end.

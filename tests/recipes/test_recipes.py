@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,39 +23,15 @@ from amp_trainer.recipe_support.reporting import (
     plot_training,
     summarize_loss_scale,
 )
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.helpers.recipes import BERT, GPT2, TINY, expect_success, run
+from tests.helpers.repo import REPO_ROOT
 
 pytestmark = pytest.mark.slow
-
-BERT = str(REPO_ROOT / "recipes" / "finetune_bert.py")
-GPT2 = str(REPO_ROOT / "recipes" / "finetune_gpt2.py")
-# A handful of optimizer steps on a slice of the offline data: exercises every stage quickly.
-TINY = ["--max_steps", "3", "--max_train_samples", "64", "--max_eval_samples", "32"]
-TINY += ["--logging_steps", "1", "--save_strategy", "no"]
-# The `accelerate` command of the interpreter running the tests (a venv's, not whatever is first
-# on PATH).
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("amp-trainer-cache"))
-
-
-def run(args: list[str], cache: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        args,
-        cwd=REPO_ROOT,
-        env=subprocess_env(AMP_TRAINER_CACHE=cache),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def expect_success(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-4000:]}"
-    return result
 
 
 # ---- end-to-end runs ------------------------------------------------------------------------
@@ -122,17 +97,6 @@ def test_gpt2_recipe_reports_trained_and_untrained_perplexity(gpt2_lora_run):
         assert math.isfinite(metrics[key]["perplexity"]) and metrics[key]["perplexity"] > 1
     assert metrics["sample_before"].startswith("The with statement")
     assert "untrained eval perplexity" in result.stdout and "after training:" in result.stdout
-
-
-def test_bert_recipe_with_lora_under_accelerate_launch_on_two_cpu_processes(tmp_path, cache):
-    out = tmp_path / "r"
-    accelerate_config = str(REPO_ROOT / "configs" / "accelerate" / "cpu_2proc.yaml")
-    args = [ACCELERATE, "launch", "--config_file", accelerate_config]
-    args += ["--main_process_port", "29531", BERT, *TINY, "--lora", "true", "--use_cpu", "true"]
-    result = expect_success(run([*args, "--output_dir", str(out)], cache, timeout=300))
-    assert "world_size=2" in result.stderr
-    assert (out / "adapter_model.safetensors").is_file() and (out / "metrics.json").is_file()
-    assert result.stdout.count("finetune_bert: tiny-bert") == 1  # rank 0 alone reports
 
 
 # ---- bad input fails before training --------------------------------------------------------

@@ -210,7 +210,7 @@ def test_two_pass_path_where_one_pass_would_not_be_exact(init_scale, norm_type, 
 
 def test_amp_accelerator_clips_in_one_pass_bit_identical_to_unscale_then_clip(monkeypatch):
     def run(one_pass: bool):
-        from conftest import reset_accelerate_state
+        from tests.helpers.training import reset_accelerate_state
 
         reset_accelerate_state()
         accelerator = AmpAccelerator(
@@ -245,11 +245,16 @@ def test_amp_trainer_clips_in_one_pass_bit_identical_to_the_two_pass_path(
     tmp_path, max_grad_norm, monkeypatch
 ):
     # max_grad_norm=0: stock Trainer still unscales and takes the norm (clip at inf) each step.
-    from conftest import make_tiny_bert, reset_accelerate_state, tiny_training_args
-    from test_trainer_support import InjectOverflow, ToyClassification, train_logs
-
     import amp_trainer.trainer
     from amp_trainer import AmpTrainer
+    from tests.helpers.tiny_models import make_tiny_bert
+    from tests.helpers.training import (
+        InjectOverflow,
+        ToyClassification,
+        reset_accelerate_state,
+        tiny_training_args,
+        train_logs,
+    )
 
     def run(name):
         reset_accelerate_state()

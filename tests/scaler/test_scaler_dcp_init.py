@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from amp_trainer import AmpAccelerator, DynamicLossScaler
-from tests.conftest import make_tiny_bert
+from tests.helpers.tiny_models import make_tiny_bert
 
 
 def _prepared(growth_interval: int = 1):

@@ -12,14 +12,19 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_bert, reset_accelerate_state, tiny_training_args
-from test_trainer_support import InjectOverflow, ToyClassification
 from transformers import TrainerControl
 
 from amp_trainer import AmpTrainer
 from amp_trainer.atomic_files import write_json_atomic
 from amp_trainer.checkpointing import AMP_STATE_FILE
 from amp_trainer.recipe_support.reporting import plot_training, summarize_loss_scale
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import (
+    InjectOverflow,
+    ToyClassification,
+    reset_accelerate_state,
+    tiny_training_args,
+)
 
 OVERFLOWS = {7, 8, 40, 333}  # the same events in every run length below
 

@@ -8,18 +8,14 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_bert, tiny_training_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_trainer_support import (
-    InjectOverflow,
-    ToyClassification,
-    train_logs,
-)
 from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments, DynamicLossScaler
 from amp_trainer.precision import resolve_precision
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import InjectOverflow, ToyClassification, tiny_training_args, train_logs
 
 
 # ---- AmpTrainingArguments ------------------------------------------------------------------

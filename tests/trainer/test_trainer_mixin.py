@@ -1,5 +1,5 @@
 """AmpTrainerMixin on Seq2SeqTrainer in either base order, and AmpTrainingArguments combined
-with Seq2SeqTrainingArguments in either order (TRL's trainers: tests/test_trainer_trl.py)."""
+with Seq2SeqTrainingArguments in either order (TRL's trainers: test_trainer_trl.py, beside it)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,9 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_training_args
-from test_trainer_support import InjectOverflow
 from transformers import (
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
-    T5Config,
-    T5ForConditionalGeneration,
     Trainer,
 )
 
@@ -25,23 +21,8 @@ from amp_trainer import (
     AmpTrainingArguments,
     DynamicLossScaler,
 )
-
-
-def make_tiny_t5(vocab_size: int = 64, seed: int = 0) -> T5ForConditionalGeneration:
-    torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=vocab_size,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return T5ForConditionalGeneration(config)
+from tests.helpers.tiny_models import tiny_t5
+from tests.helpers.training import InjectOverflow, tiny_training_args
 
 
 class ToyTranslation(torch.utils.data.Dataset):
@@ -80,7 +61,7 @@ class Seq2SeqThenAmpTrainer(Seq2SeqTrainer, AmpTrainer):  # the order that refus
 def test_mixin_on_seq2seq_trainer_skips_an_overflow_step_in_either_base_order(
     tmp_path, trainer_cls
 ):
-    model = make_tiny_t5()
+    model = tiny_t5(vocab_size=64)
     trainer = trainer_cls(
         model=model,
         args=seq2seq_args(tmp_path),
@@ -100,7 +81,7 @@ def test_mixin_on_seq2seq_trainer_skips_an_overflow_step_in_either_base_order(
 def test_loss_scaler_keyword_reaches_the_mixin_in_either_base_order(tmp_path, trainer_cls):
     scaler = DynamicLossScaler("cpu", init_scale=2.0**5)
     trainer = trainer_cls(
-        model=make_tiny_t5(),
+        model=tiny_t5(vocab_size=64),
         args=seq2seq_args(tmp_path, max_steps=1),
         train_dataset=ToyTranslation(),
         loss_scaler=scaler,
@@ -115,7 +96,7 @@ def test_loss_scaler_keyword_reaches_the_mixin_in_either_base_order(tmp_path, tr
 def test_a_loss_scaler_of_the_wrong_type_is_refused_through_a_subclass(tmp_path):
     with pytest.raises(TypeError, match="loss_scaler must be a DynamicLossScaler"):
         Seq2SeqFirst(
-            model=make_tiny_t5(),
+            model=tiny_t5(vocab_size=64),
             args=seq2seq_args(tmp_path),
             loss_scaler=torch.amp.GradScaler("cpu"),
         )
@@ -129,7 +110,7 @@ def test_a_subclass_of_a_subclass_still_takes_the_loss_scaler(tmp_path):
 
     scaler = DynamicLossScaler("cpu", init_scale=8.0)
     trainer = Deeper(
-        model=make_tiny_t5(), args=seq2seq_args(tmp_path), loss_scaler=scaler, note="x"
+        model=tiny_t5(vocab_size=64), args=seq2seq_args(tmp_path), loss_scaler=scaler, note="x"
     )
 
     assert trainer.loss_scaler is scaler and trainer.note == "x"
@@ -142,7 +123,7 @@ def test_amp_trainer_is_the_mixin_on_stock_trainer():
 
 def test_seq2seq_trainer_generates_under_the_mixin(tmp_path):
     trainer = AmpSeq2SeqTrainer(
-        model=make_tiny_t5(),
+        model=tiny_t5(vocab_size=64),
         args=seq2seq_args(tmp_path, predict_with_generate=True, max_steps=1),
         train_dataset=ToyTranslation(),
         eval_dataset=ToyTranslation(n=4),

@@ -5,18 +5,19 @@ from __future__ import annotations
 import math
 
 import torch
-from conftest import make_tiny_bert, make_tiny_gpt2, tiny_training_args
 from peft import LoraConfig, TaskType, get_peft_model
-from test_trainer_support import (
-    InjectOverflow,
-    ToyClassification,
-    ToyLanguageModeling,
-    train_logs,
-)
 from torch import nn
 from transformers import TrainerCallback
 
 from amp_trainer import AmpTrainer
+from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2
+from tests.helpers.training import (
+    InjectOverflow,
+    ToyClassification,
+    ToyLanguageModeling,
+    tiny_training_args,
+    train_logs,
+)
 
 
 def _args(tmp_path, **overrides):

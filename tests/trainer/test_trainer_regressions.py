@@ -4,24 +4,25 @@ Every test runs the unmodified stock ``transformers.Trainer`` first and asserts 
 the test proves the defect exists in the installed transformers/accelerate; then it runs
 ``AmpTrainer`` on the same setup and asserts the fix. Stock Trainer does not run fp16 on a CPU at
 all (defect 3), so defects 1 and 4 put it on its CUDA code path with
-:func:`test_trainer_support.force_stock_native_fp16` (see its docstring).
+:func:`tests.helpers.training.force_stock_native_fp16` (see its docstring).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_bert, make_tiny_gpt2, tiny_training_args
-from test_trainer_support import (
+from transformers import Trainer, TrainingArguments
+
+from amp_trainer.trainer import AmpTrainer, AmpTrainingArguments
+from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2
+from tests.helpers.training import (
     InjectOverflow,
     RecordSkipFlags,
     ToyClassification,
     force_stock_native_fp16,
+    tiny_training_args,
     train_logs,
 )
-from transformers import Trainer, TrainingArguments
-
-from amp_trainer.trainer import AmpTrainer, AmpTrainingArguments
 
 
 def _args(cls, tmp_path, **overrides):

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_bert, reset_accelerate_state, tiny_training_args
-from test_trainer_support import (
-    InjectOverflow,
-    ToyClassification,
-    train_logs,
-)
 
 from amp_trainer import AmpTrainer
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import (
+    InjectOverflow,
+    ToyClassification,
+    reset_accelerate_state,
+    tiny_training_args,
+    train_logs,
+)
 
 MAX_STEPS = 8
 CHECKPOINT_STEP = 3

@@ -10,11 +10,16 @@ import subprocess
 
 import pytest
 import torch
-from conftest import make_tiny_bert, reset_accelerate_state, tiny_training_args
-from test_trainer_support import InjectOverflow, ToyClassification
 
 from amp_trainer import AmpTrainer
 from amp_trainer.recipe_support.reporting import summarize_loss_scale
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import (
+    InjectOverflow,
+    ToyClassification,
+    reset_accelerate_state,
+    tiny_training_args,
+)
 
 MAX_STEPS = 6
 CHECKPOINT_STEP = 3

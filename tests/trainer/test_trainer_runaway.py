@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import make_tiny_bert, tiny_training_args
-from test_trainer_support import InjectOverflow, ToyClassification
 from transformers import HfArgumentParser
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments
 from amp_trainer.scaler import LossScaleError
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import InjectOverflow, ToyClassification, tiny_training_args
 
 
 def _trainer(tmp_path, overflow_steps, **overrides):

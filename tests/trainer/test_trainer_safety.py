@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, make_tiny_bert, subprocess_env, tiny_training_args
 from datasets import Dataset
 from transformers import TrainingArguments
 
 from amp_trainer import AmpTrainer, DynamicLossScaler, LossScaleError
 from amp_trainer.forward_overflow import NonFiniteForwardError
+from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import tiny_training_args
 
 EXPORT = [sys.executable, "-m", "amp_trainer.cli", "export"]
 

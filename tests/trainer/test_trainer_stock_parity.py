@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import make_tiny_bert, reset_accelerate_state, tiny_training_args
-from test_trainer_support import ToyClassification
 from transformers import (
     DefaultFlowCallback,
     EarlyStoppingCallback,
@@ -25,6 +23,8 @@ from transformers import (
 from transformers.trainer_callback import ExportableState
 
 from amp_trainer import AmpTrainer
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import ToyClassification, reset_accelerate_state, tiny_training_args
 
 #: Which trainer, with which arguments class and precision: stock is the reference.
 KINDS = {

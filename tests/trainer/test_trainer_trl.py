@@ -12,40 +12,27 @@ import dataclasses
 import math
 
 import pytest
-from conftest import make_tiny_gpt2, tiny_training_args
-from test_trainer_support import InjectOverflow, train_logs
+
+from tests.helpers.tiny_models import (
+    COLOURS,
+    THINGS,
+    colour_bpe_tokenizer,
+    colour_sentences,
+    tiny_gpt2_for,
+)
+from tests.helpers.training import InjectOverflow, tiny_training_args, train_logs
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
 from datasets import Dataset  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from amp_trainer import AmpTrainerMixin, AmpTrainingArguments  # noqa: E402
-from amp_trainer.recipe_support.tokenizers import train_byte_level_bpe_tokenizer  # noqa: E402
-
-_COLOURS = ["red", "green", "blue", "yellow", "black", "white", "orange", "purple"]
-_THINGS = ["apple", "car", "house", "bird", "river", "stone", "cloud", "book"]
-
-
-def _sentences(n: int) -> list[str]:
-    return [
-        f"The {_COLOURS[i % 8]} {_THINGS[(i * 3) % 8]} is next to the {_THINGS[(i * 5) % 8]}."
-        for i in range(n)
-    ]
 
 
 @pytest.fixture
 def tokenizer(tmp_path, monkeypatch):
     monkeypatch.setenv("AMP_TRAINER_CACHE", str(tmp_path / "cache"))
-    return train_byte_level_bpe_tokenizer(_sentences(64), vocab_size=300, model_max_length=64)
-
-
-def _gpt2(tokenizer):
-    """A 2-layer, 32-wide GPT-2 over the local tokenizer's vocabulary (same seed: same weights)."""
-    model = make_tiny_gpt2(vocab_size=len(tokenizer))
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(model.config, name, tokenizer.eos_token_id)
-        setattr(model.generation_config, name, tokenizer.eos_token_id)
-    return model
+    return colour_bpe_tokenizer()
 
 
 @dataclasses.dataclass
@@ -86,11 +73,11 @@ def _trl_args(cls, tmp_path):
 def test_sft_trainer_trains_fp16_with_the_scaler_skipping_an_overflow(
     tmp_path, tokenizer, trainer_cls
 ):
-    model = _gpt2(tokenizer)
+    model = tiny_gpt2_for(tokenizer)
     trainer = trainer_cls(
         model=model,
         args=_trl_args(AmpSFTConfig, tmp_path),
-        train_dataset=Dataset.from_dict({"text": _sentences(24)}),
+        train_dataset=Dataset.from_dict({"text": colour_sentences(24)}),
         processing_class=tokenizer,
         callbacks=[InjectOverflow(model.transformer.h[0].mlp.c_fc.weight, {2})],
     )
@@ -106,13 +93,13 @@ def test_sft_trainer_trains_fp16_with_the_scaler_skipping_an_overflow(
 
 @pytest.mark.slow
 def test_dpo_trainer_trains_fp16_with_the_scaler_skipping_an_overflow(tmp_path, tokenizer):
-    prompts = [f"Which {thing} is it?" for thing in _THINGS] * 2
-    chosen = [f" The {c} one." for c in _COLOURS] * 2
+    prompts = [f"Which {thing} is it?" for thing in THINGS] * 2
+    chosen = [f" The {c} one." for c in COLOURS] * 2
     rejected = [" I do not know." for _ in prompts]
-    model = _gpt2(tokenizer)
+    model = tiny_gpt2_for(tokenizer)
     trainer = AmpDPOTrainer(
         model=model,
-        ref_model=_gpt2(tokenizer),
+        ref_model=tiny_gpt2_for(tokenizer),
         args=_trl_args(AmpDPOConfig, tmp_path),
         train_dataset=Dataset.from_dict(
             {"prompt": prompts, "chosen": chosen, "rejected": rejected}

@@ -14,20 +14,17 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_gpt2, tiny_training_args
-from test_trainer_support import InjectOverflow, train_logs
+
+from tests.helpers.tiny_models import COLOURS, THINGS, colour_bpe_tokenizer, tiny_gpt2_for
+from tests.helpers.training import InjectOverflow, tiny_training_args, train_logs
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from amp_trainer import AmpTrainerMixin, AmpTrainingArguments  # noqa: E402
-from amp_trainer.recipe_support.tokenizers import train_byte_level_bpe_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-_COLOURS = ["red", "green", "blue", "yellow", "black", "white", "orange", "purple"]
-_THINGS = ["apple", "car", "house", "bird", "river", "stone", "cloud", "book"]
 
 
 @dataclasses.dataclass
@@ -41,24 +38,17 @@ class AmpGRPOTrainer(AmpTrainerMixin, GRPOTrainer):
 
 def says_a_colour(completions: list[str], **kwargs) -> list[float]:
     """Rule-based reward: one point per colour word, a little less for longer answers."""
-    return [sum(c in text for c in _COLOURS) - 0.01 * len(text) for text in completions]
+    return [sum(c in text for c in COLOURS) - 0.01 * len(text) for text in completions]
 
 
 @pytest.fixture
 def tokenizer(tmp_path, monkeypatch):
     monkeypatch.setenv("AMP_TRAINER_CACHE", str(tmp_path / "cache"))
-    sentences = [
-        f"The {_COLOURS[i % 8]} {_THINGS[(i * 3) % 8]} is next to the {_THINGS[(i * 5) % 8]}."
-        for i in range(64)
-    ]
-    return train_byte_level_bpe_tokenizer(sentences, vocab_size=300, model_max_length=64)
+    return colour_bpe_tokenizer()
 
 
 def _trainer(tokenizer, output_dir, max_steps: int, callbacks=()):
-    model = make_tiny_gpt2(vocab_size=len(tokenizer), seed=0)
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(model.config, name, tokenizer.eos_token_id)
-        setattr(model.generation_config, name, tokenizer.eos_token_id)
+    model = tiny_gpt2_for(tokenizer, seed=0)
     args = tiny_training_args(
         output_dir,
         AmpGRPOConfig,
@@ -73,7 +63,7 @@ def _trainer(tokenizer, output_dir, max_steps: int, callbacks=()):
         logging_steps=1,
         seed=0,
     )
-    prompts = [f"Which {thing} is it?" for thing in _THINGS] * 2
+    prompts = [f"Which {thing} is it?" for thing in THINGS] * 2
     return AmpGRPOTrainer(
         model=model,
         reward_funcs=says_a_colour,

@@ -1,7 +1,7 @@
 """Two-process worker: an overflow on ONE rank must make EVERY rank skip and back off.
 
-Launched by tests/test_accelerate_distributed.py with ``torch.distributed.run`` (gloo, CPU).
-Each rank writes what it saw to ``<out_dir>/rank<N>.json`` (and its final parameters to
+Launched by tests/distributed/test_accelerate_distributed.py with ``torch.distributed.run`` (gloo,
+CPU). Each rank writes what it saw to ``<out_dir>/rank<N>.json`` (and its final parameters to
 ``rank<N>.pt``) for the test process to compare.
 
 Three checks in one launch (process start-up dominates the cost):
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from amp_trainer.accelerate_hooks import AmpAccelerator
 from amp_trainer.scaler import DynamicLossScaler
-from tests.conftest import make_tiny_bert
+from tests.helpers.tiny_models import make_tiny_bert
 
 INJECT_AT = 1
 STEPS = 3

@@ -1,9 +1,9 @@
 """Two-process worker: FP16 under torch's FSDP2 (``fully_shard``), gloo, CPU.
 
-Launched by tests/test_fsdp2_scaleout.py with ``torch.distributed.run``. Each rank writes what it
-saw to ``<out_dir>/rank<N>.json`` and its full (unsharded) parameters to ``rank<N>_<check>.pt``.
-One launch runs every check (process start-up dominates the cost); a check that raises is
-recorded as ``{"error": ...}`` so the others still report.
+Launched by tests/distributed/test_fsdp2_scaleout.py with ``torch.distributed.run``. Each rank
+writes what it saw to ``<out_dir>/rank<N>.json`` and its full (unsharded) parameters to
+``rank<N>_<check>.pt``. One launch runs every check (process start-up dominates the cost); a check
+that raises is recorded as ``{"error": ...}`` so the others still report.
 
 Checks:
 * ``watch_ours`` / ``watch_torch``: the same loop on a tiny BERT sharded per layer, once with a
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from amp_trainer import AmpAccelerator, DynamicLossScaler, keep_norms_in_fp32
-from tests.conftest import make_tiny_bert
+from tests.helpers.tiny_models import make_tiny_bert
 
 STEPS = 6
 # (step, rank) -> parameter whose local gradient shard gets an inf

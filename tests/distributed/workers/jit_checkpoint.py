@@ -1,10 +1,10 @@
 """Two-process worker: SIGTERM that reaches one rank only still stops both at one checkpoint.
 
-Launched by tests/test_recipe_preemption.py with ``torch.distributed.run`` (gloo, CPU), with
-``enable_jit_checkpoint``. Rank 1 alone gets SIGTERM (its real handler, grace timer set to 0 s)
-inside step 3; rank 0 never does. A rank that stopped alone would leave the other waiting in the
-next step's gradient all-reduce. Each rank writes ``<out_dir>/rank<N>.json``: the step it
-stopped at, the checkpoint it reports and its scaler state.
+Launched by tests/distributed/test_recipe_preemption_distributed.py with ``torch.distributed.run``
+(gloo, CPU), with ``enable_jit_checkpoint``. Rank 1 alone gets SIGTERM (its real handler, grace
+timer set to 0 s) inside step 3; rank 0 never does. A rank that stopped alone would leave the other
+waiting in the next step's gradient all-reduce. Each rank writes ``<out_dir>/rank<N>.json``: the
+step it stopped at, the checkpoint it reports and its scaler state.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from transformers import TrainerCallback
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments
-from tests.conftest import leave_without_teardown, make_tiny_bert
-from tests.test_trainer_support import ToyClassification
+from tests.helpers.distributed import leave_without_teardown
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import ToyClassification
 
 STOP_STEP = 3
 

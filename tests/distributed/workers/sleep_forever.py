@@ -1,5 +1,5 @@
 """A torchrun worker that never finishes: it writes ``rank<N>.pid`` into the folder given, then
-sleeps (tests/test_gloo_ranks_harness.py checks that a timeout ends it)."""
+sleeps (tests/distributed/test_gloo_ranks_harness.py checks that a timeout ends it)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """Two-process worker: ``evaluate()`` before ``train()`` must still train synchronised replicas.
 
-Launched by tests/test_trainer_eval_first_distributed.py with ``torch.distributed.run`` (gloo,
-CPU). Stock Trainer's evaluation prepares the bare model with ``evaluation_mode=True``, which
+Launched by tests/distributed/test_trainer_eval_first_distributed.py with ``torch.distributed.run``
+(gloo, CPU). Stock Trainer's evaluation prepares the bare model with ``evaluation_mode=True``, which
 marks it prepared, so the ``prepare`` inside ``train()`` returned it without the DDP wrapper: each
 rank then trained its own replica on its own shard of the data. Each rank writes
 ``<out_dir>/rank<N>.json`` (the wrapper type, the skip history) and its final parameters
-``rank<N>.pt``.
-"""
+``rank<N>.pt``."""
 
 from __future__ import annotations
 
@@ -18,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments
-from tests.conftest import leave_without_teardown, make_tiny_bert
-from tests.test_trainer_support import ToyClassification
+from tests.helpers.distributed import leave_without_teardown
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import ToyClassification
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """Two-process worker: AmpTrainer on Accelerate's FSDP2 code path (forced on CPU), with resume.
 
-Launched by tests/test_trainer_fsdp2_distributed.py with ``torch.distributed.run`` (gloo, CPU).
-Accelerate 1.15 turns FSDP on only on accelerators; the trainer subclass below sets the state as
-``AcceleratorState`` does on a GPU launch (``distributed_type`` FSDP, the plugin's fp16 policy)
-right after Accelerate builds it. Everything else is stock Trainer + Accelerate FSDP2 code:
+Launched by tests/distributed/test_trainer_fsdp2_distributed.py with ``torch.distributed.run``
+(gloo, CPU). Accelerate 1.15 turns FSDP on only on accelerators; the trainer subclass below sets the
+state as ``AcceleratorState`` does on a GPU launch (``distributed_type`` FSDP, the plugin's fp16
+policy) right after Accelerate builds it. Everything else is stock Trainer + Accelerate FSDP2 code:
 ``fsdp="full_shard"`` with ``fsdp_config={"version": 2}``, ``prepare`` shards, checkpoints go
 through ``torch.distributed.checkpoint``.
 
@@ -24,8 +24,9 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments
-from tests.conftest import leave_without_teardown, make_tiny_bert
-from tests.test_trainer_support import ToyClassification
+from tests.helpers.distributed import leave_without_teardown
+from tests.helpers.tiny_models import make_tiny_bert
+from tests.helpers.training import ToyClassification
 
 
 class ForcedFSDP2Trainer(AmpTrainer):
