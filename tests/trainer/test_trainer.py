@@ -261,8 +261,8 @@ def test_fp32_precision_installs_no_scaler_and_logs_no_scale(tmp_path):
 
 
 # ---- observability -------------------------------------------------------------------------
-def _train_with_overflows(tmp_path, steps, **overrides):
-    model = make_tiny_bert()
+def _train_with_overflows(tmp_path, steps, model=None, **overrides):
+    model = model if model is not None else make_tiny_bert()
     trainer = AmpTrainer(
         model=model,
         args=tiny_training_args(
@@ -290,10 +290,16 @@ def test_scale_history_has_one_entry_per_optimizer_step_with_the_scale_it_ran_wi
 
 
 @pytest.mark.slow
+# Inductor's C++ build: ~20 s with its kernel cache warm, 80-130 s cold on a loaded 2-core CPU
+# (it passed the suite's 300 s there): the margin is for a cold cache on a busy machine.
+@pytest.mark.timeout(900)
 def test_torch_compile_trains_fp16_with_fp32_norms_and_still_skips_an_overflow_step(tmp_path):
     # The one inductor compile test (C++ build on CPU: the slowest here). The FP32-norm forward is
     # traced by dynamo; the injected overflow reaches the scaler after the compiled backward.
-    trainer = _train_with_overflows(tmp_path, {2}, max_steps=3, torch_compile=True)
+    # BERT sets config.problem_type in its first forward; set beforehand (to what that forward
+    # sets), dynamo's guard on it holds and the model compiles once instead of twice.
+    model = make_tiny_bert(problem_type="single_label_classification")
+    trainer = _train_with_overflows(tmp_path, {2}, model=model, max_steps=3, torch_compile=True)
 
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped, keep_torch_compile=False)
     assert trainer.accelerator.unwrap_model(trainer.model_wrapped) is not model  # compiled
