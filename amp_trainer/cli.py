@@ -36,7 +36,7 @@ logger = logging.getLogger("amp_trainer.cli")
 _DEFAULT_LR, _DEFAULT_BATCH_SIZE = 5e-5, 8
 # Names the recipes' model_name_or_path accepts that are no saved model (or a headless one):
 # the doctor builds them as the recipe does.
-# Spelled here so that parsing imports no recipe code; tests/test_cli.py checks that they are
+# Spelled here so that parsing imports no recipe code; tests/cli/test_cli.py checks that they are
 # the names amp_trainer.recipes.models builds (its TINY_MODEL_CONFIGS).
 TINY_MODEL_NAMES = ("tiny-bert", "tiny-gpt2")
 _RECIPE_MODEL_NAMES = (*TINY_MODEL_NAMES, OFFLINE_MINILM)

@@ -686,8 +686,8 @@ class PrecisionMismatchCallback(TrainerCallback):
 
     The measurement is invisible to training: no gradients, eval mode for its own forwards
     only, RNG streams forked; a run with the callback ends with the parameters of the run
-    without it, bit for bit (``tests/test_precision_mismatch.py``). It costs three forwards of
-    the step's batch (FP32 and two precisions) every ``every_n_steps`` steps.
+    without it, bit for bit (``tests/precision/test_precision_mismatch.py``). It costs three
+    forwards of the step's batch (FP32 and two precisions) every ``every_n_steps`` steps.
 
     Why a hook on the model and not the batch: Trainer hands callbacks no batch, and TRL's
     GRPOTrainer builds its completions inside ``training_step``; the model's forward is the one

@@ -1,7 +1,7 @@
 """AmpTrainer: a :class:`transformers.Trainer` that gets FP16 right.
 
 Stock ``Trainer(fp16=True)`` (transformers 5.24, accelerate 1.15) has four defects this subclass
-fixes, each reproduced against the stock class in ``tests/test_trainer_regressions.py``:
+fixes, each reproduced against the stock class in ``tests/trainer/test_trainer_regressions.py``:
 
 1. With the default optimizer (``adamw_torch_fused``) an overflow step is not seen as skipped:
    torch's GradScaler calls a fused optimizer's ``step()`` even on overflow, so Accelerate's

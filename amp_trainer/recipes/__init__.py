@@ -5,7 +5,7 @@ Why a public subpackage (litgpt's and trl's choice) rather than private code bes
 (torchtitan's): the ``amp-trainer doctor --config`` command builds a recipe's model and batch
 exactly as the recipe does, and a user who adapts a recipe, or trains the same offline tokenizer
 for a TRL example, should import documented names rather than copy 3k lines. The rule in both
-directions (``tests/test_public_api.py`` enforces it):
+directions (``tests/project/test_public_api.py`` enforces it):
 
 * this package depends on the core (``amp_trainer.AmpTrainer``, the scaler, export, ...); the
   core never imports it. Only :mod:`amp_trainer.cli` does, inside ``doctor --config`` /

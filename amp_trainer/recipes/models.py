@@ -89,7 +89,7 @@ TINY_MODEL_CONFIGS: dict[str, dict[str, int]] = {
 _TINY_TASK = {"tiny-bert": CLASSIFICATION, "tiny-gpt2": CAUSAL_LM}
 
 # The recipes' own (non-TrainingArguments) YAML keys: the fields of their ModelArguments and
-# DataArguments (tests/test_cli.py checks these against the recipes).
+# DataArguments (tests/cli/test_cli.py checks these against the recipes).
 _SHARED_RECIPE_KEYS = frozenset(
     {
         "model_name_or_path", "tokenizer_vocab_size", "lora", "lora_r", "lora_alpha",

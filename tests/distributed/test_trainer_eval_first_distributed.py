@@ -1,0 +1,47 @@
+"""Two real gloo processes: AmpTrainer's evaluate() before train() still trains under DDP.
+
+Issue 18, item 4: the GPT-2 recipe evaluates before training; stock Trainer's evaluation marks the
+bare model prepared, so train() never wrapped it in DDP and the two ranks ended with different
+weights (457.5 vs 442.3 parameter sums) while their loss-scale histories agreed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers.distributed import WORKERS, run_two_gloo_ranks
+
+pytestmark = pytest.mark.slow
+
+WORKER = WORKERS / "trainer_eval_first.py"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[tuple[dict, torch.Tensor]]:
+    out_dir = tmp_path_factory.mktemp("eval_first")
+    run_two_gloo_ranks(WORKER, out_dir, timeout=300)
+    return [
+        (
+            json.loads((out_dir / f"rank{r}.json").read_text()),
+            torch.load(out_dir / f"rank{r}.pt", weights_only=True),
+        )
+        for r in range(2)
+    ]
+
+
+def test_evaluate_before_train_still_wraps_the_model_in_ddp(ranks):
+    for info, _ in ranks:
+        assert (info["backend"], info["world_size"]) == ("gloo", 2)
+        assert info["eval_loss_finite"]
+        assert info["wrapped"] == "DistributedDataParallel"
+
+
+def test_evaluate_before_train_replicas_end_identical(ranks):
+    (info0, params0), (info1, params1) = ranks
+    assert info0["scales"] == info1["scales"] and len(info0["scales"]) == 4
+    assert torch.isfinite(params0).all()
+    assert params0.sum().item() == params1.sum().item()
+    assert torch.equal(params0, params1)

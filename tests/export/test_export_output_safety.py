@@ -1,0 +1,289 @@
+"""FP16 export never loses data: output-path checks, staging leftovers, disk full, permissions.
+
+Faults are injected for real: a small tmpfs (when the tests run as root, which can mount one),
+``OSError(ENOSPC)`` raised by the real write call, ``kill -9`` of an exporting subprocess.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from amp_trainer.cli import main
+from amp_trainer.export import export_fp16
+from tests.helpers.repo import subprocess_env
+from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    """A run folder: saved FP32 model plus the things a run leaves (metrics, a checkpoint)."""
+    folder = tmp_path / "runs" / "bert"
+    make_tiny_bert().save_pretrained(folder)
+    (folder / "metrics.json").write_text('{"eval": {"accuracy": 0.9}}')
+    (folder / "checkpoint-24").mkdir()
+    (folder / "checkpoint-24" / "trainer_state.json").write_text("{}")
+    return folder
+
+
+def error_line(capsys) -> str:
+    """The one error line on stderr (progress bars of the test's own saves aside)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "amp-trainer export: error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def tiny_disk(path: Path, size: str):
+    """Mount a tmpfs of ``size`` at ``path`` (root only); returns an unmount callable."""
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
+    return lambda: subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB file system: fits the tiny GPT-2's FP16 safetensors, not much more."""
+    unmount = tiny_disk(tmp_path / "disk", "256k")
+    yield tmp_path / "disk"
+    unmount()
+
+
+# ---- output path: never the source, never a folder that is not an earlier export -------------
+def test_exporting_a_folder_onto_itself_is_refused_and_leaves_it_untouched(source):
+    before = snapshot(source)
+    with pytest.raises(ValueError, match="is the source model folder"):
+        export_fp16(source, source, overwrite=True)
+    assert snapshot(source) == before
+
+
+def test_exporting_into_the_parent_of_the_source_is_refused_and_siblings_survive(source):
+    sibling = source.parent / "gpt2"
+    sibling.mkdir()
+    (sibling / "metrics.json").write_text("{}")
+    with pytest.raises(ValueError, match="contains the source model folder"):
+        export_fp16(source, source.parent, overwrite=True)
+    assert (sibling / "metrics.json").exists() and (source / "model.safetensors").exists()
+
+
+def test_exporting_into_a_folder_inside_the_source_is_refused(source):
+    with pytest.raises(ValueError, match="lies inside the source model folder"):
+        export_fp16(source, source / "fp16")
+    assert not (source / "fp16").exists()
+
+
+def test_cli_export_onto_its_own_model_folder_is_a_one_line_usage_error(source, capsys):
+    before = snapshot(source)
+    argv = ["export", "--model", str(source), "--output", str(source), "--overwrite"]
+    assert main(argv) == 2
+    assert "is the source model folder" in error_line(capsys)
+    assert snapshot(source) == before
+
+
+def test_cli_export_onto_its_own_model_folder_does_not_suggest_overwrite(source, capsys):
+    assert main(["export", "--model", str(source), "--output", str(source)]) == 2
+    line = error_line(capsys)
+    assert "is the source model folder" in line and "--overwrite" not in line
+
+
+def test_overwrite_refuses_a_folder_that_is_not_an_earlier_export(source, tmp_path):
+    before = snapshot(source)
+    with pytest.raises(FileExistsError, match="not an earlier FP16 export"):
+        export_fp16(make_tiny_gpt2(), source, overwrite=True)
+    assert snapshot(source) == before
+
+
+def test_overwrite_refuses_an_earlier_export_that_holds_files_it_did_not_write(tmp_path):
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(), out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"did not write \(notes.txt\)"):
+        export_fp16(make_tiny_gpt2(), out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_replaces_an_earlier_export(tmp_path):
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(seed=0), out)
+    first = (out / "model.safetensors").read_bytes()
+    report = export_fp16(make_tiny_gpt2(seed=1), out, overwrite=True)
+    assert report.written and (out / "model.safetensors").read_bytes() != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp16"]  # nothing hidden left over
+
+
+def test_export_folder_gets_the_permissions_of_any_new_folder(tmp_path):
+    old = os.umask(0o022)
+    try:
+        export_fp16(make_tiny_gpt2(), tmp_path / "fp16")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "fp16").stat().st_mode) == 0o755
+
+
+# ---- killed exports ---------------------------------------------------------------------------
+_KILLED_EXPORT = """
+import os, signal
+from tests.helpers.tiny_models import make_tiny_gpt2
+import amp_trainer.export as export
+
+real_replace = os.replace  # the staging transaction (amp_trainer.export.staging) renames with it
+out = {out!r}
+
+def replace_then_die(src, dst):
+    if {mode!r} == "before_install" and str(dst) == out:
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9, staging complete, not yet in place
+    real_replace(src, dst)
+    if {mode!r} == "mid_replace" and str(src) == out:
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9, old export moved aside, new not in place
+
+os.replace = replace_then_die
+export.export_fp16(make_tiny_gpt2(seed=1), out, overwrite=True)
+"""
+
+
+def run_killed_export(out: Path, mode: str) -> None:
+    """Run an export in a subprocess that SIGKILLs itself at the rename ``mode`` names."""
+    script = _KILLED_EXPORT.format(out=str(out), mode=mode)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+
+
+@pytest.mark.slow  # a subprocess: start-up dominates
+def test_a_killed_exports_staging_folder_is_removed_by_the_next_export_which_says_so(
+    tmp_path, caplog
+):
+    out = tmp_path / "fp16"
+    run_killed_export(out, "before_install")
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".fp16.tmp-")
+
+    report = export_fp16(make_tiny_gpt2(), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp16"]
+    assert any("left behind by an interrupted export" in note for note in report.notes)
+    assert "interrupted export" in caplog.text
+
+
+@pytest.mark.slow  # a subprocess: start-up dominates
+def test_an_export_killed_between_its_two_renames_gets_the_previous_export_back(tmp_path):
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(seed=0), out)
+    first = (out / "model.safetensors").read_bytes()
+    run_killed_export(out, "mid_replace")
+    assert not out.exists()
+
+    with pytest.raises(FileExistsError):  # the restored export is not replaced silently
+        export_fp16(make_tiny_gpt2(seed=2), out)
+    assert (out / "model.safetensors").read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp16"]
+
+
+# ---- disk full --------------------------------------------------------------------------------
+def test_disk_full_while_writing_weights_is_one_oserror_and_leaves_nothing(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+
+    def full_disk(state_dict, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)  # the part that fitted
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    with pytest.raises(OSError, match="no space left on device writing the FP16 export") as info:
+        export_fp16(make_tiny_gpt2(), tmp_path / "fp16")
+    assert info.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_little_free_space_is_refused_before_anything_is_written(tmp_path):
+    unmount = tiny_disk(tmp_path / "disk", "16k")
+    try:
+        with pytest.raises(OSError, match="needs about") as info:
+            export_fp16(make_tiny_gpt2(vocab_size=2000), tmp_path / "disk" / "fp16")
+        assert info.value.errno == errno.ENOSPC
+        assert list((tmp_path / "disk").iterdir()) == []
+    finally:
+        unmount()
+
+
+_FULL_DISK_EXPORT = """
+from tests.helpers.tiny_models import make_tiny_gpt2
+import amp_trainer.export as export
+import amp_trainer.export.staging as staging
+
+staging.check_free_space = lambda folder, needed: None  # let the write itself hit the full disk
+export.export_fp16(make_tiny_gpt2(vocab_size=1500), {out!r}, formats={formats!r})
+"""
+
+
+@pytest.mark.slow  # a subprocess: start-up dominates
+@pytest.mark.parametrize("formats", [("torchscript",), ("onnx",)])
+def test_disk_full_during_an_extra_format_raises_instead_of_aborting(small_disk, formats):
+    script = _FULL_DISK_EXPORT.format(out=str(small_disk / "fp16"), formats=formats)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]  # not 134 (abort in C++)
+    assert "OSError: [Errno 28] no space left on device writing the FP16 export" in result.stderr
+    assert list(small_disk.iterdir()) == []
+
+
+def test_cli_disk_full_is_a_one_line_runtime_error_with_exit_1(tmp_path, small_disk, capsys):
+    model = tmp_path / "model"
+    make_tiny_gpt2(vocab_size=5000).save_pretrained(model)  # ~370 KiB of FP16 weights
+    assert main(["export", "--model", str(model), "--output", str(small_disk / "fp16")]) == 1
+    assert "no space left on device" in error_line(capsys)
+    assert list(small_disk.iterdir()) == []
+
+
+def test_cli_export_of_a_truncated_safetensors_file_is_a_one_line_error(tmp_path, capsys):
+    model = tmp_path / "model"
+    make_tiny_gpt2().save_pretrained(model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["export", "--model", str(model), "--output", str(tmp_path / "fp16")]) == 2
+    assert "cannot load a model from" in error_line(capsys)
+    assert not (tmp_path / "fp16").exists()
+
+
+def test_report_lists_every_file_it_wrote_so_overwrite_can_recognise_it(tmp_path):
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(), out, formats=("torchscript",))
+    files = json.loads((out / "report.json").read_text())["files"]
+    assert sorted(files) == sorted(p.name for p in out.iterdir())
+
+
+def test_cli_debug_prints_the_traceback_of_an_error(tmp_path, capsys):
+    model = tmp_path / "model"
+    make_tiny_gpt2().save_pretrained(model)
+    (model / "model.safetensors").write_bytes(b"garbage")
+    argv = ["--debug", "export", "--model", str(model), "--output", str(tmp_path / "fp16")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "cannot load a model from" in err
