@@ -1,5 +1,5 @@
 """The CLI on models that do not take token ids: ``doctor`` and ``export`` on saved ViT,
-Whisper and Wav2Vec2 folders, T5 and BART fed from ``--sample-inputs FILE`` (issue 21's CLI
+Whisper and Wav2Vec2 folders, T5 and BART fed from ``--sample-inputs FILE`` (the CLI's
 gaps).
 
 The doctor builds its probe batch as export does (:mod:`amp_trainer.export.sample_inputs`),

@@ -1,6 +1,6 @@
 """Two real gloo processes: AmpTrainer's evaluate() before train() still trains under DDP.
 
-Issue 18, item 4: the GPT-2 recipe evaluates before training; stock Trainer's evaluation marks the
+the GPT-2 recipe evaluates before training; stock Trainer's evaluation marks the
 bare model prepared, so train() never wrapped it in DDP and the two ranks ended with different
 weights (457.5 vs 442.3 parameter sums) while their loss-scale histories agreed.
 """

@@ -2,7 +2,7 @@
 
 One launch of workers/trainer_fsdp2.py. Accelerate enables FSDP only on accelerators, so the
 worker forces its state as a GPU launch would set it (see the worker); the rest is stock Trainer
-and Accelerate FSDP2 code. Issue 18: an overflow in one rank's gradient shard is a skip on both
+and Accelerate FSDP2 code. an overflow in one rank's gradient shard is a skip on both
 ranks with the same scale, the scaler names the parameter, FP32 norms work under the fp16
 parameter policy, and a resume from step 3 ends where the uninterrupted run ends (resuming runs
 ``torch.distributed.checkpoint``'s dummy optimizer step through our scaler).

@@ -1,9 +1,9 @@
 """A diverging run is not an FP16 problem: the guard and the doctor say so, and add no islands.
 
-Issue 19: a tiny BERT at learning rate 10 overflows FP16 from its second step on because its
-weights exploded, not because a layer is FP16-unfriendly. The forward-overflow guard used to make
-one module after another an FP32 island (the FP32 re-check ran on the exploded weights, so
-"finite in FP32" proved nothing) and the run ended "fine" at chance accuracy. Now the guard sees
+A tiny BERT at learning rate 10 overflows FP16 from its second step on because its
+weights exploded, not because a layer is FP16-unfriendly. A guard that did not tell the two apart
+would make one module after another an FP32 island (an FP32 re-check on the exploded weights
+proves nothing) and end the run "fine" at chance accuracy. The guard sees
 the evidence (the module's weights far beyond their values at the first step, the loss far above
 its first values, several modules out of range at once) and stops with a
 :class:`DivergenceError` naming the learning rate; healthy overflows (a boosted layer at a sane

@@ -1,4 +1,4 @@
-"""FP16 export beyond token-id models: sample inputs from what the model declares (issue 21).
+"""FP16 export beyond token-id models: sample inputs from what the model declares.
 
 T5, BART, Whisper, ViT and Llama (tiny configs: hidden 32, 2 layers, nothing downloaded) export
 with a parity report and reload; an encoder-decoder gets decoder inputs from its

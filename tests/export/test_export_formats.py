@@ -1,4 +1,4 @@
-"""The exported formats (issue 21): torch.export ``.pt2`` next to ONNX and TorchScript.
+"""The exported formats: torch.export ``.pt2`` next to ONNX and TorchScript.
 
 Each format is read back and compared with FP32 like the PyTorch model; ``.pt2`` reloads with
 ``torch.export.load`` and keeps batch and sequence dynamic; a tracer that cannot capture a model

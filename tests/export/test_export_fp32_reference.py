@@ -1,4 +1,4 @@
-"""The FP16 export's parity reference is a real FP32 forward (issue 19).
+"""The FP16 export's parity reference is a real FP32 forward.
 
 A model that went through ``Accelerator.prepare()`` (``trainer.model`` after training) keeps
 Accelerate's autocast forward wrapper. Through it, the "FP32" reference ran in FP16 and the

@@ -3,7 +3,7 @@
 FSDP2 with ``MixedPrecisionPolicy(param_dtype=float16)`` registers FP16 unsharded copies of the
 parameters on each module for the forward (``module._parameters[name] = ...``) and reduces their
 gradients afterwards; an island that re-cast those to FP32 in place broke the reduction
-(``FSDP reduce-scatter expects uniform gradient dtype``, issue 18 item 2). Here the swap is done by
+(``FSDP reduce-scatter expects uniform gradient dtype``). Here the swap is done by
 hand, as the engine does it, so the mechanism is tested in one process; the two-rank FSDP2 test
 is tests/distributed/test_fsdp2_scaleout.py.
 """

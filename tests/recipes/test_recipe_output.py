@@ -1,7 +1,6 @@
 """What a recipe run prints, captured as a user's log file captures it (a pipe, not a terminal).
 
-Three real recipe runs serve the tests here (each test names the sub-item of issue 20, item 6,
-that it checks):
+Three real recipe runs serve the tests here (each test names what it checks):
 
 * the BERT recipe on a local model folder (a BERT masked-LM checkpoint, so the classifier head is
   new and transformers prints its load report) and the user's own CSV, fp16 on the CPU, with

@@ -1,4 +1,4 @@
-"""The recipes' end of run as a user reads it: the plot, the summary and its hints (issue 20, 7).
+"""The recipes' end of run as a user reads it: the plot, the summary and its hints.
 
 * bf16/fp32 runs have no loss scaler: the plot is one loss panel whose title says so (it was an
   empty scale panel with its label overprinted and clipped);

@@ -1,4 +1,4 @@
-"""A recipe never loses or silently changes a user's run (issue 23), driven as a user drives it:
+"""A recipe never loses or silently changes a user's run, driven as a user drives it:
 ``python recipes/finetune_bert.py ...`` in a subprocess, on a real run's folder.
 
 * a resume trains on the checkpoint's own tokenizer, never a retrained one;

@@ -1,4 +1,4 @@
-"""What a recipe run reports agrees with the files it describes (issue 19).
+"""What a recipe run reports agrees with the files it describes.
 
 One real run of the BERT recipe (the offline default, a few steps, a checkpoint at the end), read
 back three ways:

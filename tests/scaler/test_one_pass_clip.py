@@ -1,4 +1,4 @@
-"""Unscale and clip in one pass: bit-identical to unscale-then-clip and to torch (issue 22).
+"""Unscale and clip in one pass: bit-identical to unscale-then-clip and to torch.
 
 ``DynamicLossScaler.clip_grad_norm_`` (and AmpAccelerator / AmpTrainer, which route through
 it) reads the still-scaled gradients once for the norm and multiplies once by

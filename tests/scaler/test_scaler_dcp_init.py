@@ -3,7 +3,7 @@
 Loading an optimizer with ``torch.distributed.checkpoint`` (Accelerate's FSDP2 ``load_state``)
 first creates the optimizer state with one ``optimizer.step()`` on all-zero gradients and lr 0
 (``_init_optim_state``). Through an ``AcceleratedOptimizer`` that step is ``scaler.step()`` then
-``scaler.update()`` with no ``scale()`` call before it. Issue 18, item 3: our "scale() was not
+``scaler.update()`` with no ``scale()`` call before it. our "scale() was not
 called" guard raised there, killing every FSDP2 resume; torch's GradScaler does not raise but
 counts the dummy step as a clean one (its growth tracker moves, and with ``growth_interval=1`` the
 scale doubles: huggingface/accelerate#4289). Ours must do neither.

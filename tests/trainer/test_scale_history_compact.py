@@ -1,4 +1,4 @@
-"""scale_history keeps the run's events, not one entry per step: checkpoints stay small (issue 22).
+"""scale_history keeps the run's events, not one entry per step: checkpoints stay small.
 
 The long runs drive AmpTrainer's own loss-scale monitor and checkpoint keeper with a real
 DynamicLossScaler stepping a real parameter (a Trainer step costs ~20 ms here, so thousands of

@@ -1,4 +1,4 @@
-"""The four stock ``Trainer(fp16=True)`` defects (issue 4), each shown real, then fixed.
+"""The four stock ``Trainer(fp16=True)`` defects, each shown real, then fixed.
 
 Every test runs the unmodified stock ``transformers.Trainer`` first and asserts the defect, so
 the test proves the defect exists in the installed transformers/accelerate; then it runs

@@ -1,5 +1,5 @@
 """AmpTrainer never skips a non-finite loss silently, never overwrites another run's checkpoint,
-and says what a resumed checkpoint lacks or why its scaler.pt is unusable (issue 23).
+and says what a resumed checkpoint lacks or why its scaler.pt is unusable.
 
 Real tiny runs (a 2-layer BERT on CPU in real FP16), real checkpoints written by the Trainer and
 then damaged or edited as a user's disk or hand would, and the real ``amp-trainer`` command.
