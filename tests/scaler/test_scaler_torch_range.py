@@ -14,7 +14,7 @@ from itertools import chain
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -130,6 +130,7 @@ def test_explicit_bounds_still_cap_growth_and_refuse_a_new_scale_outside_them():
     init_scale=st.sampled_from([2.0**16, 2.0**32, 1e38, 3.3e38, 12345.678]),
     growth_interval=st.integers(1, 3),
 )
+@example(overflows=[True] * 15, init_scale=12345.678, growth_interval=1)  # 1.5 -> floor
 def test_default_scaler_equals_torch_for_any_run_until_it_refuses_to_go_below_one(
     overflows, init_scale, growth_interval
 ):
@@ -145,6 +146,16 @@ def test_default_scaler_equals_torch_for_any_run_until_it_refuses_to_go_below_on
             assert theirs.get_scale() < 1.0
             return
         _param_step(ours, params[0], opts[0], poison=overflow)
+        if theirs.get_scale() < 1.0 <= ours.get_scale():
+            # A backoff that takes torch below 1 (from a scale that is no power of two, e.g.
+            # 1.5 -> 0.75) stops at the floor here: the documented difference, a step early;
+            # the trajectories part, and the next overflow at the floor raises.
+            assert ours.get_scale() == 1.0 and ours.step_was_skipped, f"step {step}"
+            if True in overflows[step + 1 :]:
+                with pytest.raises(LossScaleError):
+                    for later in overflows[step + 1 :]:
+                        _param_step(ours, params[0], opts[0], poison=later)
+            return
         assert ours.get_scale() == theirs.get_scale(), f"step {step}"
         assert ours.step_was_skipped is overflow
 
