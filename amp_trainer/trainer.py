@@ -78,6 +78,7 @@ from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import apply_fp32_policy, recorded_fp32_islands, restore_fp32_islands
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
+from amp_trainer.step_accounting import PADDING, StepAccounting, install_step_aware_handler
 from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
 
 try:
@@ -188,21 +189,31 @@ def _record_scale_step(
 
 
 class _LossScaleMonitor(TrainerCallback):
-    """Records each optimizer step into ``scale_history`` and names overflowing parameters.
+    """Records each optimizer step attempt into ``scale_history`` and names overflowing parameters.
 
     Installed only when there is a loss scaler, after stock's default callbacks and before the
     user's (see ``AmpTrainerMixin._place_loss_scale_monitor``), so user callbacks see an
     up-to-date history. Costs two Python floats per step: the skip verdict is the one the scaler
     already synced to the host.
+
+    Every attempt is recorded, applied or skipped: ``follows_every_attempt`` has the step
+    accounting's callback handler send it ``on_optimizer_step`` for skipped attempts too, which
+    other callbacks do not hear of (a skipped update is not a step). Where transformers itself
+    keeps skipped updates out of the events, an attempt that got no ``on_optimizer_step`` is
+    recorded as skipped at the next event (``on_step_begin``, before the next batch runs).
     """
+
+    follows_every_attempt = True
 
     def __init__(self, trainer: AmpTrainerMixin) -> None:
         self._trainer = trainer
         self._scale_before_step = 1.0
         self._skips_in_a_row = 0
+        self._attempt_open = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._skips_in_a_row = 0
+        self._attempt_open = False
         trainer = self._trainer
         if trainer.loss_scaler is not None and trainer.model is not None:
             # Sharding in train()'s prepare (Accelerate's FSDP2) replaced the parameter objects
@@ -210,19 +221,38 @@ class _LossScaleMonitor(TrainerCallback):
             trainer.loss_scaler.watch(trainer.model)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._close_unreported_attempt(args, state)
         scaler = self._trainer.loss_scaler
         if scaler is not None:
             self._scale_before_step = scaler.get_scale()
+            self._attempt_open = True
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._close_unreported_attempt(args, state)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._close_unreported_attempt(args, state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._close_unreported_attempt(args, state)
+
+    def _close_unreported_attempt(self, args: Any, state: Any) -> None:
+        """An attempt that got no ``on_optimizer_step`` was skipped by transformers itself."""
+        if self._attempt_open:
+            self.on_optimizer_step(args, state, None)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         scaler = self._trainer.loss_scaler
-        if scaler is None:
+        if scaler is None or not self._attempt_open:
             return
+        self._attempt_open = False
         forward = None
         if self._trainer._forward_overflow is not None:
             forward = self._trainer._forward_overflow.after_step()  # work only on skipped steps
         skipped = scaler.step_was_skipped
-        step = state.global_step + 1  # global_step is incremented right after this event
+        # The step this attempt would make: global_step is raised right after this event if the
+        # update is applied (a skipped one leaves it, and the next attempt has the same number).
+        step = state.global_step + 1
         sample_every = state.logging_steps if args.logging_strategy == "steps" else 0
         entry: dict[str, Any] = {"step": step, "scale": self._scale_before_step, "skipped": skipped}
         if forward is not None:
@@ -245,11 +275,16 @@ class _LossScaleMonitor(TrainerCallback):
             # Every on_min_loss_scale mode ends here: "warn"/"clamp" (and "raise" with a low
             # loss_scale_min or hysteresis) would otherwise skip to max_steps and return normally.
             names = scaler.stats.last_overflow_params
+            attempts = getattr(state, "optimizer_step_attempts", None)
+            tried = (
+                f"attempts {attempts - self._skips_in_a_row + 1}-{attempts} at step {step}"
+                if attempts is not None and attempts >= self._skips_in_a_row
+                else f"at step {step}"
+            )
             raise LossScaleError(
-                f"{self._skips_in_a_row} consecutive optimizer steps were skipped (steps "
-                f"{step - self._skips_in_a_row + 1}-{step}, non-finite gradients; loss scale now "
-                f"{scaler.get_scale():g}): the run is no longer training, so it stops here "
-                f"(max_consecutive_skipped_steps={limit})."
+                f"{self._skips_in_a_row} consecutive optimizer steps were skipped ({tried}, "
+                f"non-finite gradients; loss scale now {scaler.get_scale():g}): the run is no "
+                f"longer training, so it stops here (max_consecutive_skipped_steps={limit})."
                 + (f" Last overflowing parameters: {', '.join(names[:8])}." if names else "")
                 + " Rerun the batch in FP32 (`amp-trainer doctor`) to tell a model/data/learning "
                 "rate bug from an FP16 range problem."
@@ -324,9 +359,11 @@ class AmpTrainerMixin(Trainer):
         self._checkpoints = CheckpointKeeper(self)
         self._last_step_skipped = False
         self._forward_overflow: ForwardOverflowGuard | None = None
+        self._steps = StepAccounting(self)
         super().__init__(*args, **kwargs)
         self._place_loss_scale_monitor()
         self._checkpoints.take_over_jit_checkpoint()
+        install_step_aware_handler(self.callback_handler, self._steps)
 
         stock = self.model_accepts_loss_kwargs
         self.model_accepts_loss_kwargs = _forward_consumes_num_items(
@@ -442,6 +479,8 @@ class AmpTrainerMixin(Trainer):
         return self.compute_loss(model, self._prepare_inputs(inputs))
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self._steps.micro_batch(inputs):  # a stream's last window padded: no batch here
+            return torch.zeros((), device=self.args.device)
         loss = super().training_step(model, inputs, *args, **kwargs)
         guard = self._forward_overflow
         if guard is not None:
@@ -492,18 +531,43 @@ class AmpTrainerMixin(Trainer):
             grad_norm = clip_grad_norm_in_one_pass(self.accelerator, model.parameters(), math.inf)
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
+    # -- what a step is: amp_trainer.step_accounting (skipped updates are not steps) ---------
+    def set_initial_training_values(self, args: TrainingArguments, dataloader: Any, *rest: Any):
+        """Stock's plan, with the epochs a run with skipped updates needs (see StepAccounting)."""
+        values = super().set_initial_training_values(args, dataloader, *rest)
+        return self._steps.planned(values, args, dataloader)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        """Stock's batches for one optimizer step attempt, counted as the data position."""
+        return self._steps.fetch(epoch_iterator, num_batches, device, super().get_batch_samples)
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        return 0 if inputs is PADDING else super().floating_point_ops(inputs)
+
+    def _load_callback_state(self) -> None:
+        # Stock calls this right after loading trainer_state.json on resume and right before it
+        # derives the data position from global_step: the saved position goes in there.
+        super()._load_callback_state()
+        self._steps.present_resume_position(self.state)
+
     # -- observability -----------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the loss scale and skip counts to training logs; never log an inf grad_norm."""
+        """Add the loss scale and skip counts to training logs; never log an inf grad_norm.
+
+        ``step_skipped`` is the number of updates skipped since the previous training log (a
+        skipped update is not a step, so no log is ever "at" one); ``optimizer_step_attempts``
+        counts every attempt, applied or skipped.
+        """
         if self.loss_scaler is not None and "loss" in logs:
             grad_norm = logs.get("grad_norm")
             if grad_norm is not None and not math.isfinite(grad_norm):
                 del logs["grad_norm"]  # an overflow step: its norm is meaningless, not "inf"
             logs["loss_scale"] = self.loss_scaler.get_scale()
             logs["skipped_steps"] = self.loss_scaler.stats.skipped
-            logs["step_skipped"] = int(self._last_step_skipped)
+            logs["step_skipped"] = self._steps.skipped_since_last_log(self.state)
             if self._forward_overflow is not None:
                 logs["fp32_islands_added"] = len(self._forward_overflow.islands)
+        self._steps.adjust_logs(logs, self.state)
         super().log(logs, start_time)
 
     # -- checkpoints and resume: the behaviour is amp_trainer.checkpointing's ----------------
@@ -527,12 +591,16 @@ class AmpTrainerMixin(Trainer):
             return done
         self._forget_evaluation_prepare()
         self._checkpoints.report_missing_state(checkpoint)
-        return super().train(
+        self._steps.begin(checkpoint)
+        output = super().train(
             resume_from_checkpoint=checkpoint,
             trial=trial,
             ignore_keys_for_eval=ignore_keys_for_eval,
             **kwargs,
         )
+        if self._steps.active and "train_loss" in output.metrics:
+            output = output._replace(training_loss=output.metrics["train_loss"])  # per attempt
+        return output
 
     def _forget_evaluation_prepare(self) -> None:
         """Let ``train()`` wrap a model that ``evaluate()`` prepared first (DDP, several ranks).
