@@ -187,6 +187,7 @@ class StepAccounting:
         self._stock_iterator: Iterator[Any] | None = None
         self._pass: _Pass | None = None
         self._discard = 0
+        self._reading = 0  # batches of the attempt under way
         self._real_in_group: int | None = None
         self._continuing = False
         self._rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
@@ -267,7 +268,14 @@ class StepAccounting:
         self._set_position(state, self._stock_epoch, batches)
         if self._plan.get("epochs") is not None:
             state.num_train_epochs = self._plan["epochs"]
-        self._attempts_at_start = self._log_attempts = state.optimizer_step_attempts
+        self.start_log_window(state)
+
+    def start_log_window(self, state: TrainerState) -> None:
+        """At ``on_train_begin`` (also where transformers counts attempts itself): the counts the
+        first training log's window and the run's ``train_loss`` start from."""
+        self._attempts_at_start = self._log_attempts = getattr(
+            state, "optimizer_step_attempts", state.global_step
+        )
         self._log_step = state.global_step
 
     @staticmethod
@@ -326,7 +334,7 @@ class StepAccounting:
         state = self.trainer.state
         if self._plan.get("batches_per_epoch") is not None:
             batches, items = stock(epoch_iterator, num_batches, device)
-            state.train_dataloader_batches_seen += len(batches)
+            self._reading = len(batches)
             return batches, items
         if epoch_iterator is not self._stock_iterator:
             self._stock_iterator = epoch_iterator
@@ -339,7 +347,7 @@ class StepAccounting:
         if self._discard:
             self._read_past_seen_batches(state)
         batches, items = stock(self._pass, num_batches, device)
-        state.train_dataloader_batches_seen += len(batches)
+        self._reading = len(batches)
         self._real_in_group = None
         if 0 < len(batches) < num_batches and self.trainer.accelerator.num_processes == 1:
             # The pass ended inside an accumulation window. Stock syncs only after a full window
@@ -397,8 +405,14 @@ class StepAccounting:
 
     # -- attempts -------------------------------------------------------------------------------
     def attempt_done(self, state: TrainerState) -> bool:
-        """At ``on_optimizer_step``: count the attempt; whether its update was applied."""
+        """At ``on_optimizer_step``: count the attempt and its batches; whether it was applied.
+
+        The batches count once their attempt is made, not when read: a checkpoint saved between
+        reading a window and training it (SIGTERM's, at ``on_step_begin``) resumes with it.
+        """
         state.optimizer_step_attempts += 1
+        state.train_dataloader_batches_seen += self._reading
+        self._reading = 0
         self._skipped = bool(self.trainer.accelerator.optimizer_step_was_skipped)
         return not self._skipped
 

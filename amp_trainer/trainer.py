@@ -31,9 +31,12 @@ skipped steps and handled by :mod:`amp_trainer.forward_overflow` (``on_forward_o
 default the module that overflowed becomes an FP32 island, named in one warning, recorded in
 ``model.config`` (so checkpoints carry it) and restored on resume.
 
-``global_step`` still counts optimizer step *attempts*, skipped ones included, as in stock Trainer
-(``max_steps``, ``save_steps`` and ``logging_steps`` keep their meaning); skipped steps are
-recorded rather than hidden.
+A skipped update is not a step: ``global_step``, ``max_steps`` and the epochs count applied
+updates, ``state.optimizer_step_attempts`` every attempt, and a resume continues from the batch
+position the attempts reached (transformers' main-branch semantics, given to the released
+transformers by :mod:`amp_trainer.step_accounting` through ``set_initial_training_values``,
+``get_batch_samples``, ``floating_point_ops``, the private ``_load_callback_state`` and the
+callback handler; a transformers that has them runs its own).
 
 Only public Trainer surface is overridden (checked against transformers 5.24):
 ``create_accelerator_and_postprocess`` (install the scaler before ``prepare``), ``create_optimizer``
@@ -214,6 +217,7 @@ class _LossScaleMonitor(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._skips_in_a_row = 0
         self._attempt_open = False
+        self._trainer._steps.start_log_window(state)
         trainer = self._trainer
         if trainer.loss_scaler is not None and trainer.model is not None:
             # Sharding in train()'s prepare (Accelerate's FSDP2) replaced the parameter objects

@@ -115,12 +115,16 @@ def test_raise_names_wo_at_the_first_overflowing_step(tmp_path):
 
 
 def test_skip_keeps_todays_behaviour_of_backing_the_scale_off(tmp_path):
+    # Every attempt overflows and is skipped, so no step is ever made: the runaway guard ends it.
     trainer = AmpTrainer(
         model=make_overflowing_t5(),
-        args=tiny_training_args(tmp_path, max_steps=3, on_forward_overflow="skip"),
+        args=tiny_training_args(
+            tmp_path, max_steps=3, on_forward_overflow="skip", max_consecutive_skipped_steps=3
+        ),
         train_dataset=ToySeq2Seq(),
     )
-    trainer.train()
+    with pytest.raises(LossScaleError, match="3 consecutive optimizer steps were skipped"):
+        trainer.train()
     assert [e["skipped"] for e in trainer.scale_history] == [True, True, True]
     assert trainer.loss_scaler.get_scale() == 2.0**13
     assert not is_fp32_island(trainer.model.get_submodule(WO))

@@ -21,6 +21,7 @@ from transformers.trainer_callback import CallbackHandler, TrainerState
 
 import amp_trainer.step_accounting as step_accounting
 from amp_trainer import AmpTrainer
+from amp_trainer.recipes.reporting import describe_optimizer_steps
 
 
 class CountEvents(TrainerCallback):
@@ -108,6 +109,27 @@ def test_max_steps_counts_applied_updates_and_attempts_count_the_skipped_one_too
     assert trainer.state.optimizer_step_attempts == 7
     assert _applied_updates(trainer) == 6  # AdamW's own count of the updates it made
     assert trainer.lr_scheduler.last_epoch == 6
+
+
+def test_the_summary_row_and_every_reporting_integration_get_applied_updates_and_attempts(
+    tmp_path,
+):
+    class OnLog(TrainerCallback):  # what report_to integrations (TensorBoard, ...) receive
+        def __init__(self) -> None:
+            self.logs: list[dict] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    reporter = OnLog()
+    trainer, events = _run(tmp_path, overflow_attempts={2}, callbacks=[reporter], max_steps=4)
+    trainer.train()
+
+    applied, attempts = _applied_updates(trainer), events.pre_optimizer
+    assert (applied, attempts) == (4, 5)
+    assert describe_optimizer_steps(trainer.state) == "applied 4 of 5 attempts"
+    training = [e for e in reporter.logs if "loss" in e]
+    assert [e["optimizer_step_attempts"] for e in training] == [1, 3, 4, 5]
 
 
 def test_callbacks_hear_pre_optimizer_step_per_attempt_and_the_rest_per_applied_update(tmp_path):
@@ -233,12 +255,15 @@ def test_a_resume_at_an_epoch_boundary_after_a_skip_is_bit_identical(tmp_path):
     assert saved["optimizer_step_attempts"] == 6
 
 
-def test_a_resume_from_an_iterable_dataset_after_skips_is_bit_identical(tmp_path):
-    # The skips push the run past stock's max_steps-long reading of a stream: it reads on.
+@pytest.mark.parametrize("rows", [48, 24])
+def test_a_resume_from_an_iterable_dataset_after_skips_is_bit_identical(tmp_path, rows):
+    # The skips push the run past stock's max_steps-long reading of a stream: it reads on. With
+    # 24 rows the checkpoint is at the pass's last batch: the resumed run finds the pass ended
+    # and starts the next, as the uninterrupted one did.
     _, _, saved = _resume_matches_the_uninterrupted_run(
         tmp_path,
         4,
-        dataset=lambda: ToyStream(n=48),
+        dataset=lambda: ToyStream(n=rows),
         overflow_attempts={2, 3},
         save_strategy="steps",
         save_steps=4,
