@@ -41,8 +41,10 @@ callback handler; a transformers that has them runs its own).
 Only public Trainer surface is overridden (checked against transformers 5.24):
 ``create_accelerator_and_postprocess`` (install the scaler before ``prepare``), ``create_optimizer``
 (precision policy on the model actually trained), ``log`` (scaler fields), ``training_step``
-(remembers each micro-batch's loss for the forward-overflow check, no sync) and the
-``model_accepts_loss_kwargs`` attribute; the skip rule itself is stock Trainer's
+(remembers each micro-batch's loss for the forward-overflow check, no sync), the
+``model_accepts_loss_kwargs`` attribute and, for the step accounting,
+``set_initial_training_values``, ``get_batch_samples``, ``floating_point_ops`` and the callback
+handler's class; the skip rule itself is stock Trainer's
 (``lr_scheduler.step()`` unless ``accelerator.optimizer_step_was_skipped``), made truthful.
 Checkpointing and resume need three private hooks, the only places stock Trainer saves a
 checkpoint and loads ``scaler.pt`` and the weights: ``_save_checkpoint`` (amp_trainer_state.json,
@@ -50,7 +52,10 @@ a full disk as one error without a half-written folder, rotation that spares ano
 checkpoints), ``_load_scaler`` (another precision, a missing ``scaler.pt``, overridden flags:
 said, not silent) and ``_load_from_checkpoint`` (the FP32 islands back from the checkpoint's
 config.json);
-``train`` itself only gains the finished-run check in front of stock ``train``. Two more private
+``train`` itself only gains the finished-run check in front of stock ``train`` (and the
+training loss over every attempt after it). The step
+accounting needs one more, ``_load_callback_state`` (the resume position; see
+:mod:`amp_trainer.step_accounting`). Two more private
 hooks save work, not correctness: ``_clip_grad_norm`` and ``_get_grad_norm``, where stock Trainer
 unscales and clips, do both in one pass (bit-identical; see
 :func:`~amp_trainer.accelerate_hooks.clip_grad_norm_in_one_pass`); a transformers without them
