@@ -346,12 +346,21 @@ class CheckpointKeeper:
 
     # -- _load_scaler() ----------------------------------------------------------------------
     def restore_scale_history(self, checkpoint: Path) -> dict[str, Any] | None:
-        """Start ``scale_history`` from the checkpoint's (the run so far); its saved state."""
+        """Start ``scale_history`` from the checkpoint's (the run so far); its saved state.
+
+        ``checkpoint-N`` holds the entries of steps up to N and the skipped attempts at step N+1
+        made before it was saved (a skipped update is no step: a checkpoint saved between two
+        attempts, SIGTERM's or the end of training's, can follow one).
+        """
         saved = _read_amp_state(checkpoint)
         step = _checkpoint_step(checkpoint)
         if saved is not None:
             history = saved.get("scale_history") or []
-            self.trainer.scale_history = [e for e in history if step is None or e["step"] <= step]
+            self.trainer.scale_history = [
+                e
+                for e in history
+                if step is None or e["step"] <= step or (e["skipped"] and e["step"] == step + 1)
+            ]
         elif self.trainer.loss_scaler is not None:
             logger.warning(
                 "%s has no %s: the loss-scale summary covers only the steps after it.",

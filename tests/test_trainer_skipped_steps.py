@@ -219,6 +219,7 @@ def _resume_matches_the_uninterrupted_run(tmp_path, checkpoint_step, dataset=Non
     assert resumed.state.global_step == whole.state.global_step
     assert resumed.state.optimizer_step_attempts == whole.state.optimizer_step_attempts
     assert resumed.loss_scaler.state_dict() == whole.loss_scaler.state_dict()
+    assert resumed.scale_history == whole.scale_history
     return whole, resumed, _state_file(checkpoint)
 
 
@@ -253,6 +254,15 @@ def test_a_resume_at_an_epoch_boundary_after_a_skip_is_bit_identical(tmp_path):
     )
     assert (saved["train_dataloader_epoch"], saved["train_dataloader_batches_seen"]) == (1, 0)
     assert saved["optimizer_step_attempts"] == 6
+
+
+def test_a_checkpoint_saved_right_after_a_skipped_attempt_resumes_with_that_skip(tmp_path):
+    # The epoch's last attempt is skipped; the epoch's checkpoint follows it, at step 5.
+    _, resumed, saved = _resume_matches_the_uninterrupted_run(
+        tmp_path, 5, overflow_attempts={6}, max_steps=8, save_strategy="epoch"
+    )
+    assert saved["optimizer_step_attempts"] == 6
+    assert {"step": 6, "scale": 65536.0, "skipped": True} in resumed.scale_history
 
 
 @pytest.mark.parametrize("rows", [48, 24])
