@@ -31,15 +31,20 @@ skipped steps and handled by :mod:`amp_trainer.forward_overflow` (``on_forward_o
 default the module that overflowed becomes an FP32 island, named in one warning, recorded in
 ``model.config`` (so checkpoints carry it) and restored on resume.
 
-``global_step`` still counts optimizer step *attempts*, skipped ones included, as in stock Trainer
-(``max_steps``, ``save_steps`` and ``logging_steps`` keep their meaning); skipped steps are
-recorded rather than hidden.
+A skipped update is not a step: ``global_step``, ``max_steps`` and the epochs count applied
+updates, ``state.optimizer_step_attempts`` every attempt, and a resume continues from the batch
+position the attempts reached (transformers' main-branch semantics, given to the released
+transformers by :mod:`amp_trainer.step_accounting` through ``set_initial_training_values``,
+``get_batch_samples``, ``floating_point_ops``, the private ``_load_callback_state`` and the
+callback handler; a transformers that has them runs its own).
 
 Only public Trainer surface is overridden (checked against transformers 5.24):
 ``create_accelerator_and_postprocess`` (install the scaler before ``prepare``), ``create_optimizer``
 (precision policy on the model actually trained), ``log`` (scaler fields), ``training_step``
-(remembers each micro-batch's loss for the forward-overflow check, no sync) and the
-``model_accepts_loss_kwargs`` attribute; the skip rule itself is stock Trainer's
+(remembers each micro-batch's loss for the forward-overflow check, no sync), the
+``model_accepts_loss_kwargs`` attribute and, for the step accounting,
+``set_initial_training_values``, ``get_batch_samples``, ``floating_point_ops`` and the callback
+handler's class; the skip rule itself is stock Trainer's
 (``lr_scheduler.step()`` unless ``accelerator.optimizer_step_was_skipped``), made truthful.
 Checkpointing and resume need three private hooks, the only places stock Trainer saves a
 checkpoint and loads ``scaler.pt`` and the weights: ``_save_checkpoint`` (amp_trainer_state.json,
@@ -47,7 +52,10 @@ a full disk as one error without a half-written folder, rotation that spares ano
 checkpoints), ``_load_scaler`` (another precision, a missing ``scaler.pt``, overridden flags:
 said, not silent) and ``_load_from_checkpoint`` (the FP32 islands back from the checkpoint's
 config.json);
-``train`` itself only gains the finished-run check in front of stock ``train``. Two more private
+``train`` itself only gains the finished-run check in front of stock ``train`` (and the
+training loss over every attempt after it). The step
+accounting needs one more, ``_load_callback_state`` (the resume position; see
+:mod:`amp_trainer.step_accounting`). Two more private
 hooks save work, not correctness: ``_clip_grad_norm`` and ``_get_grad_norm``, where stock Trainer
 unscales and clips, do both in one pass (bit-identical; see
 :func:`~amp_trainer.accelerate_hooks.clip_grad_norm_in_one_pass`); a transformers without them
@@ -80,6 +88,7 @@ from amp_trainer.mismatch import PrecisionMismatchCallback
 from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler, LossScaleError
+from amp_trainer.step_accounting import PADDING, StepAccounting, install_step_aware_handler
 from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
 
 try:
@@ -190,24 +199,34 @@ def _record_scale_step(
 
 
 class _LossScaleMonitor(TrainerCallback):
-    """Records each optimizer step into ``scale_history`` and names overflowing parameters.
+    """Records each optimizer step attempt into ``scale_history`` and names overflowing parameters.
 
     Installed only when there is a loss scaler, after stock's default callbacks and before the
     user's (see ``AmpTrainerMixin._place_loss_scale_monitor``), so user callbacks see an
     up-to-date history. Costs two Python floats per step: the skip verdict is the one the scaler
     already synced to the host.
+
+    Every attempt is recorded, applied or skipped: ``follows_every_attempt`` has the step
+    accounting's callback handler send it ``on_optimizer_step`` for skipped attempts too, which
+    other callbacks do not hear of (a skipped update is not a step). Where transformers itself
+    keeps skipped updates out of the events, an attempt that got no ``on_optimizer_step`` is
+    recorded as skipped at the next event (``on_step_begin``, before the next batch runs).
     """
+
+    follows_every_attempt = True
 
     def __init__(self, trainer: AmpTrainerMixin) -> None:
         self._trainer = trainer
         self._scale_before_step = 1.0
         self._skips_in_a_row = 0
+        self._attempt_open = False
 
     def on_step_begin(self, args, state, control, **kwargs):
         """Ask the scaler to measure underflow on this step's first loss: on the first step,
         on every ``loss_scale_underflow_check_interval``-th (500, 1000, ...: logging steps too
         when ``logging_steps`` divides the interval, so a check is logged on its own step) and
         right after the two-sided rule grew the scale. The figures go into the next log."""
+        self._close_unreported_attempt(args, state)
         trainer, scaler = self._trainer, self._trainer.loss_scaler
         interval = getattr(args, "loss_scale_underflow_check_interval", 0)
         if scaler is None or not interval or trainer.is_fsdp_enabled:
@@ -220,6 +239,8 @@ class _LossScaleMonitor(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._skips_in_a_row = 0
+        self._attempt_open = False
+        self._trainer._steps.start_log_window(state)
         trainer = self._trainer
         trainer._overflow_step_loss.start()
         if trainer.loss_scaler is not None and trainer.model is not None:
@@ -228,19 +249,35 @@ class _LossScaleMonitor(TrainerCallback):
             trainer.loss_scaler.watch(trainer.model)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._close_unreported_attempt(args, state)
         scaler = self._trainer.loss_scaler
         if scaler is not None:
             self._scale_before_step = scaler.get_scale()
+            self._attempt_open = True
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._close_unreported_attempt(args, state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._close_unreported_attempt(args, state)
+
+    def _close_unreported_attempt(self, args: Any, state: Any) -> None:
+        """An attempt that got no ``on_optimizer_step`` was skipped by transformers itself."""
+        if self._attempt_open:
+            self.on_optimizer_step(args, state, None)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         scaler = self._trainer.loss_scaler
-        if scaler is None:
+        if scaler is None or not self._attempt_open:
             return
+        self._attempt_open = False
         forward = None
         if self._trainer._forward_overflow is not None:
             forward = self._trainer._forward_overflow.after_step()  # work only on skipped steps
         skipped = scaler.step_was_skipped
-        step = state.global_step + 1  # global_step is incremented right after this event
+        # The step this attempt would make: global_step is raised right after this event if the
+        # update is applied (a skipped one leaves it, and the next attempt has the same number).
+        step = state.global_step + 1
         sample_every = state.logging_steps if args.logging_strategy == "steps" else 0
         entry: dict[str, Any] = {"step": step, "scale": self._scale_before_step, "skipped": skipped}
         if forward is not None:
@@ -264,11 +301,16 @@ class _LossScaleMonitor(TrainerCallback):
             # Every on_min_loss_scale mode ends here: "warn"/"clamp" (and "raise" with a low
             # loss_scale_min or hysteresis) would otherwise skip to max_steps and return normally.
             names = scaler.stats.last_overflow_params
+            attempts = getattr(state, "optimizer_step_attempts", None)
+            tried = (
+                f"attempts {attempts - self._skips_in_a_row + 1}-{attempts} at step {step}"
+                if attempts is not None and attempts >= self._skips_in_a_row
+                else f"at step {step}"
+            )
             raise LossScaleError(
-                f"{self._skips_in_a_row} consecutive optimizer steps were skipped (steps "
-                f"{step - self._skips_in_a_row + 1}-{step}, non-finite gradients; loss scale now "
-                f"{scaler.get_scale():g}): the run is no longer training, so it stops here "
-                f"(max_consecutive_skipped_steps={limit})."
+                f"{self._skips_in_a_row} consecutive optimizer steps were skipped ({tried}, "
+                f"non-finite gradients; loss scale now {scaler.get_scale():g}): the run is no "
+                f"longer training, so it stops here (max_consecutive_skipped_steps={limit})."
                 + (f" Last overflowing parameters: {', '.join(names[:8])}." if names else "")
                 + " Rerun the batch in FP32 (`amp-trainer doctor`) to tell a model/data/learning "
                 "rate bug from an FP16 range problem."
@@ -345,6 +387,7 @@ class AmpTrainerMixin(Trainer):
         self._underflow_logged: Any = None
         self._forward_overflow: ForwardOverflowGuard | None = None
         self._overflow_step_loss = OverflowStepLoss()
+        self._steps = StepAccounting(self)
         super().__init__(*args, **kwargs)
         self._place_loss_scale_monitor()
         self._tensorboard_under_output_dir()
@@ -352,6 +395,7 @@ class AmpTrainerMixin(Trainer):
             if isinstance(callback, PrecisionMismatchCallback):
                 callback.attach(self)  # it logs through this trainer (see its docstring)
         self._checkpoints.take_over_jit_checkpoint()
+        install_step_aware_handler(self.callback_handler, self._steps)
 
         stock = self.model_accepts_loss_kwargs
         self.model_accepts_loss_kwargs = _forward_consumes_num_items(
@@ -483,6 +527,8 @@ class AmpTrainerMixin(Trainer):
         return self.compute_loss(model, self._prepare_inputs(inputs))
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self._steps.micro_batch(inputs):  # a stream's last window padded: no batch here
+            return torch.zeros((), device=self.args.device)
         loss = super().training_step(model, inputs, *args, **kwargs)
         guard = self._forward_overflow
         if guard is not None:
@@ -533,16 +579,40 @@ class AmpTrainerMixin(Trainer):
             grad_norm = clip_grad_norm_in_one_pass(self.accelerator, model.parameters(), math.inf)
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
+    # -- what a step is: amp_trainer.step_accounting (skipped updates are not steps) ---------
+    def set_initial_training_values(self, args: TrainingArguments, dataloader: Any, *rest: Any):
+        """Stock's plan, with the epochs a run with skipped updates needs (see StepAccounting)."""
+        values = super().set_initial_training_values(args, dataloader, *rest)
+        return self._steps.planned(values, args, dataloader)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        """Stock's batches for one optimizer step attempt, counted as the data position."""
+        return self._steps.fetch(epoch_iterator, num_batches, device, super().get_batch_samples)
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        return 0 if inputs is PADDING else super().floating_point_ops(inputs)
+
+    def _load_callback_state(self) -> None:
+        # Stock calls this right after loading trainer_state.json on resume and right before it
+        # derives the data position from global_step: the saved position goes in there.
+        super()._load_callback_state()
+        self._steps.present_resume_position(self.state)
+
     # -- observability -----------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the loss scale and skip counts to training logs; never log an inf grad_norm."""
+        """Add the loss scale and skip counts to training logs; never log an inf grad_norm.
+
+        ``step_skipped`` is the number of updates skipped since the previous training log (a
+        skipped update is not a step, so no log is ever "at" one); ``optimizer_step_attempts``
+        counts every attempt, applied or skipped.
+        """
         if self.loss_scaler is not None and "loss" in logs:
             grad_norm = logs.get("grad_norm")
             if grad_norm is not None and not math.isfinite(grad_norm):
                 del logs["grad_norm"]  # an overflow step: its norm is meaningless, not "inf"
             logs["loss_scale"] = self.loss_scaler.get_scale()
             logs["skipped_steps"] = self.loss_scaler.stats.skipped
-            logs["step_skipped"] = int(self._last_step_skipped)
+            logs["step_skipped"] = self._steps.skipped_since_last_log(self.state)
             reading = self.loss_scaler.last_underflow
             if reading is not None and reading is not self._underflow_logged:
                 self._underflow_logged = reading  # each measurement logged once, when it is new
@@ -553,6 +623,7 @@ class AmpTrainerMixin(Trainer):
             if self._forward_overflow is not None:
                 logs["fp32_islands_added"] = len(self._forward_overflow.islands)
             self._overflow_step_loss.add_to(logs)
+        self._steps.adjust_logs(logs, self.state)
         super().log(logs, start_time)
 
     def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -584,12 +655,16 @@ class AmpTrainerMixin(Trainer):
             return done
         self._forget_evaluation_prepare()
         self._checkpoints.report_missing_state(checkpoint)
-        return super().train(
+        self._steps.begin(checkpoint)
+        output = super().train(
             resume_from_checkpoint=checkpoint,
             trial=trial,
             ignore_keys_for_eval=ignore_keys_for_eval,
             **kwargs,
         )
+        if self._steps.active and "train_loss" in output.metrics:
+            output = output._replace(training_loss=output.metrics["train_loss"])  # per attempt
+        return output
 
     def _forget_evaluation_prepare(self) -> None:
         """Let ``train()`` wrap a model that ``evaluate()`` prepared first (DDP, several ranks).

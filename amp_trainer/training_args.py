@@ -123,9 +123,10 @@ class AmpTrainingArguments(TrainingArguments):
     loss_scale_grow_on_underflow: bool = field(
         default=False,
         metadata={
-            "help": "fp16: when the underflow meter finds more than 0.1% of the gradient flushed "
-            "and the headroom allows, grow the loss scale at once to the scale that fixes it "
-            "(checking again on the next step) instead of after growth_interval clean steps."
+            "help": "fp16: when the underflow meter finds more than 0.1 percent of the gradient "
+            "flushed and the headroom allows, grow the loss scale at once to the scale that "
+            "fixes it (checking again on the next step) instead of after growth_interval clean "
+            "steps."
         },
     )
     max_consecutive_skipped_steps: int = field(

@@ -16,6 +16,7 @@ finished run. :class:`ResumeAudit` is the resume side of
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import pickle
@@ -84,14 +85,23 @@ class ResumeAudit:
         if trainer.args.auto_find_batch_size and state.train_batch_size is not None:
             trainer._train_batch_size = state.train_batch_size  # what stock train() restores
         target = self._planned_max_steps()
-        if not target or state.global_step < target:
+        # max_steps counts applied updates; the epochs of num_train_epochs hold `target` optimizer
+        # step attempts (a skipped update reads its batches too; see amp_trainer.step_accounting).
+        by_epochs = trainer.args.max_steps <= 0
+        done = getattr(state, "optimizer_step_attempts", state.global_step)
+        done = done if by_epochs else state.global_step
+        if not target or done < target:
             return None
+        where = (
+            f"optimizer step attempt {done} of the {target} its epochs hold"
+            if by_epochs
+            else f"step {done} of max_steps {target}"
+        )
         logger.warning(
-            "%s is the end of its run (step %d of max_steps %d): nothing to train. The model is "
-            "the checkpoint's; pass a larger max_steps (or num_train_epochs) to train on.",
+            "%s is the end of its run (%s): nothing to train. The model is the checkpoint's; "
+            "pass a larger max_steps (or num_train_epochs) to train on.",
             checkpoint,
-            state.global_step,
-            target,
+            where,
         )
         load(checkpoint)
         trainer.state = state
@@ -116,7 +126,15 @@ class ResumeAudit:
             return args.max_steps
         try:
             dataloader = trainer.get_train_dataloader()
-            return trainer.set_initial_training_values(args, dataloader)[-1]
+            extra = ()
+            if (
+                "total_train_batch_size"
+                in inspect.signature(Trainer.set_initial_training_values).parameters
+            ):
+                extra = (
+                    trainer.get_total_train_batch_size(args),
+                )  # transformers before 5.x's split
+            return trainer.set_initial_training_values(args, dataloader, *extra)[-1]
         except (ValueError, TypeError):  # no train_dataset, or no length: stock train() says so
             return None
 
@@ -173,12 +191,21 @@ class ResumeAudit:
         )
 
     def restore_scale_history(self, checkpoint: Path) -> dict[str, Any] | None:
-        """Start ``scale_history`` from the checkpoint's (the run so far); its saved state."""
+        """Start ``scale_history`` from the checkpoint's (the run so far); its saved state.
+
+        ``checkpoint-N`` holds the entries of steps up to N and the skipped attempts at step N+1
+        made before it was saved (a skipped update is no step: a checkpoint saved between two
+        attempts, SIGTERM's or the end of training's, can follow one).
+        """
         saved = read_amp_state(checkpoint)
         step = checkpoint_step(checkpoint)
         if saved is not None:
             history = saved.get("scale_history") or []
-            self.trainer.scale_history = [e for e in history if step is None or e["step"] <= step]
+            self.trainer.scale_history = [
+                e
+                for e in history
+                if step is None or e["step"] <= step or (e["skipped"] and e["step"] == step + 1)
+            ]
         elif self.trainer.loss_scaler is not None:
             logger.warning(
                 "%s has no %s: the loss-scale summary covers only the steps after it.",

@@ -33,6 +33,7 @@ __all__ = [
     "accuracy_against_majority",
     "activation_memory",
     "describe_activation_memory",
+    "describe_optimizer_steps",
     "describe_underflow",
     "first_batch",
     "format_table",
@@ -101,6 +102,19 @@ def summarize_loss_scale(
         forward_overflows=len(forward),
         fp32_islands=tuple(name for entry in forward for name in entry["fp32_islands"]),
     )
+
+
+def describe_optimizer_steps(state: Any) -> str:
+    """The summary's "optimizer steps": applied updates of attempts, e.g. "applied 23 of 24
+    attempts".
+
+    ``state`` is the trainer's ``TrainerState``: ``global_step`` counts applied updates and
+    ``optimizer_step_attempts`` every attempt, skipped ones too (a state without the counter, a
+    stock Trainer's on a transformers that lacks it, counts every attempt as a step).
+    """
+    applied = int(state.global_step)
+    attempts = int(getattr(state, "optimizer_step_attempts", applied))
+    return f"applied {applied} of {attempts} attempts"
 
 
 def activation_memory(

@@ -62,6 +62,7 @@ from amp_trainer.recipes.reporting import (
     LossScaleSummary,
     activation_memory,
     describe_activation_memory,
+    describe_optimizer_steps,
     describe_underflow,
     first_batch,
     format_table,
@@ -410,6 +411,13 @@ class RecipeRun:
         metrics = {
             "train": train_result.metrics,
             **results,
+            # A skipped update is not a step: global_step counts applied ones.
+            "optimizer_steps": {
+                "applied": trainer.state.global_step,
+                "attempts": getattr(
+                    trainer.state, "optimizer_step_attempts", trainer.state.global_step
+                ),
+            },
             "loss_scale": None if scale is None else scale.__dict__,
             # Every underflow check of the run, as logged (grad_underflow, grad_headroom).
             "underflow_checks": [
@@ -435,7 +443,7 @@ class RecipeRun:
         rows = [
             *summary,
             ("precision", args.precision),
-            ("optimizer steps", trainer.state.global_step),
+            ("optimizer steps", describe_optimizer_steps(trainer.state)),
             # Exact (not 4 digits): the value a resume starts from, as in scaler.pt.
             (
                 "loss scale final (after the last update)",

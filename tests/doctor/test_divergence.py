@@ -22,6 +22,7 @@ from torch import nn
 from amp_trainer import AmpTrainer, DivergenceError, DynamicLossScaler, Verdict, diagnose
 from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import ISLANDS_CONFIG_KEY, is_fp32_island
+from amp_trainer.scaler import LossScaleError
 from tests.helpers.tiny_models import bert_batch, make_tiny_bert
 from tests.helpers.training import ToyClassification, tiny_training_args
 
@@ -66,13 +67,24 @@ def test_a_tiny_bert_at_lr_10_stops_with_one_divergence_message_and_no_islands(t
 def test_on_divergence_warn_goes_on_with_one_warning_and_still_no_islands(tmp_path, caplog):
     trainer = AmpTrainer(
         model=make_tiny_bert(),
-        args=tiny_training_args(tmp_path, max_steps=8, learning_rate=10.0, on_divergence="warn"),
+        args=tiny_training_args(
+            tmp_path,
+            max_steps=8,
+            learning_rate=10.0,
+            on_divergence="warn",
+            max_consecutive_skipped_steps=6,
+        ),
         train_dataset=ToyClassification(),
     )
-    with caplog.at_level(logging.WARNING, logger="amp_trainer.forward_overflow"):
+    # It goes on: no DivergenceError. The diverged model overflows on every attempt from then on,
+    # no update is applied, and the runaway guard ends the run.
+    with (
+        caplog.at_level(logging.WARNING, logger="amp_trainer.forward_overflow"),
+        pytest.raises(LossScaleError, match="6 consecutive optimizer steps were skipped"),
+    ):
         trainer.train()
 
-    assert trainer.state.global_step == 8
+    assert trainer.state.optimizer_step_attempts > trainer.state.global_step
     warnings = [r.getMessage() for r in caplog.records if "diverging" in r.getMessage()]
     assert len(warnings) == 1 and "learning rate 10" in warnings[0]
     assert linear_islands(trainer.model) == []

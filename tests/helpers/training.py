@@ -99,11 +99,13 @@ class ToySeq2Seq(torch.utils.data.Dataset):
 
 
 class InjectOverflow(TrainerCallback):
-    """Make the gradient of ``param`` inf during the chosen (1-based) optimizer steps.
+    """Make the gradient of ``param`` inf during the chosen (1-based) optimizer step attempts.
 
     A tensor hook on the parameter replaces its gradient in backward, i.e. *before* the scaler's
     unscale/inf check, exactly where a real FP16 overflow would appear. ``on_step_begin`` runs
-    before the first micro-batch of each optimizer step, so it arms the hook for the whole window.
+    before the first micro-batch of each attempt, so it arms the hook for the whole window.
+    Attempts, not steps: a skipped update is not a step (``global_step`` stays), so "step 3"
+    would overflow again on every retry.
     """
 
     def __init__(self, param: torch.Tensor, steps: set[int]) -> None:
@@ -115,7 +117,7 @@ class InjectOverflow(TrainerCallback):
         return torch.full_like(grad, float("inf")) if self.armed else grad
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.armed = state.global_step + 1 in self.steps
+        self.armed = getattr(state, "optimizer_step_attempts", state.global_step) + 1 in self.steps
 
 
 class RecordSkipFlags(TrainerCallback):

@@ -6,6 +6,7 @@ every token while it is finite in FP32, the case the seed calls the commonest "l
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import logging
@@ -74,12 +75,16 @@ def test_raise_names_wo_at_the_first_overflowing_step(tmp_path):
 
 
 def test_skip_keeps_todays_behaviour_of_backing_the_scale_off(tmp_path):
+    # Every attempt overflows and is skipped, so no step is ever made: the runaway guard ends it.
     trainer = AmpTrainer(
         model=make_overflowing_t5(),
-        args=tiny_training_args(tmp_path, max_steps=3, on_forward_overflow="skip"),
+        args=tiny_training_args(
+            tmp_path, max_steps=3, on_forward_overflow="skip", max_consecutive_skipped_steps=3
+        ),
         train_dataset=ToySeq2Seq(),
     )
-    trainer.train()
+    with pytest.raises(LossScaleError, match="3 consecutive optimizer steps were skipped"):
+        trainer.train()
     assert [e["skipped"] for e in trainer.scale_history] == [True, True, True]
     assert trainer.loss_scaler.get_scale() == 2.0**13
     assert not is_fp32_island(trainer.model.get_submodule(WO))
@@ -168,25 +173,30 @@ class RecordingTrainer(AmpTrainer):
 
     def training_step(self, model, inputs, *args, **kwargs):
         self.batches = [*getattr(self, "batches", []), {k: v.clone() for k, v in inputs.items()}]
-        return super().training_step(model, inputs, *args, **kwargs)
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        self.losses = [*getattr(self, "losses", []), float(loss)]
+        return loss
 
 
 def test_a_forward_overflow_step_logs_the_loss_of_its_fp32_rerun_not_zero(tmp_path):
+    model = make_overflowing_t5()
+    before = copy.deepcopy(model)  # the weights the overflowing attempt ran with
     trainer = RecordingTrainer(
-        model=make_overflowing_t5(),
-        args=tiny_training_args(tmp_path, max_steps=1),
-        train_dataset=ToySeq2Seq(),
+        model=model, args=tiny_training_args(tmp_path, max_steps=1), train_dataset=ToySeq2Seq()
     )
     result = trainer.train()
-    assert trainer.scale_history[0]["skipped"]  # the step overflowed and changed no weight
-    model = trainer.model
-    with torch.no_grad():  # that batch in pure FP32 (the class's forward: no autocast wrapper)
-        fp32_loss = float(type(model).forward(model, **trainer.batches[0]).loss)
+    assert trainer.scale_history[0]["skipped"]  # the attempt overflowed and changed no weight
+    with torch.no_grad():  # that batch in pure FP32 on those weights (no autocast wrapper)
+        fp32_loss = float(type(before).forward(before, **trainer.batches[0]).loss)
     (log,) = [e for e in trainer.state.log_history if "loss" in e]
     assert log["step_skipped"] == 1
-    assert log["loss"] == pytest.approx(fp32_loss, rel=1e-6)  # stock logs 0.0 here
+    # The skipped attempt is no step: the one step applied is the second attempt (the module
+    # now an FP32 island), and the log averages over both attempts.
+    assert len(trainer.batches) == 2 and math.isfinite(trainer.losses[1])
+    expected = (fp32_loss + trainer.losses[1]) / 2  # stock would count the overflow as 0.0
+    assert log["loss"] == pytest.approx(expected, rel=1e-6)
     assert log["loss_fp32_rerun"] == pytest.approx(fp32_loss, rel=1e-6)
-    assert result.training_loss == pytest.approx(fp32_loss, rel=1e-6)
+    assert result.training_loss == pytest.approx(expected, rel=1e-6)
 
 
 class OverflowsOnlyWithGrad(torch.nn.Module):
@@ -196,10 +206,12 @@ class OverflowsOnlyWithGrad(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(4, 1)
+        self.overflows_left = 1  # the first training forward only: then the run can make a step
 
     def forward(self, x, labels):
         out = self.linear(x)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.overflows_left:
+            self.overflows_left -= 1
             out = out * 1e3 * 1e3  # FP16 under autocast: inf
         return {"loss": ((out.float().squeeze(-1) - labels) ** 2).mean()}
 
@@ -224,19 +236,25 @@ def test_a_forward_overflow_without_a_finite_fp32_rerun_logs_nan_not_zero(tmp_pa
     assert math.isnan(log["loss"]) and math.isnan(log["loss_fp32_rerun"])
 
 
-@pytest.mark.parametrize(("policy", "backoffs"), [("fp32", 0), ("skip", 3)])
+@pytest.mark.parametrize(("policy", "backoffs"), [("fp32", 0), ("skip", 16)])
 def test_backoffs_count_only_the_times_the_scale_went_down(tmp_path, policy, backoffs):
     trainer = AmpTrainer(
         model=make_overflowing_t5(),
         args=tiny_training_args(tmp_path, max_steps=3, on_forward_overflow=policy),
         train_dataset=ToySeq2Seq(),
     )
-    trainer.train()
+    if policy == "skip":  # every attempt overflows: no step is ever made, 65536 -> 1, then stop
+        with pytest.raises(LossScaleError):
+            trainer.train()
+    else:
+        trainer.train()
     scales = [e["scale"] for e in trainer.scale_history] + [trainer.loss_scaler.get_scale()]
     went_down = sum(after < before for before, after in itertools.pairwise(scales))
     stats = trainer.loss_scaler.stats
     assert stats.backoffs == went_down == backoffs  # a forward overflow's undone backoff is none
-    assert stats.skipped == sum(e["skipped"] for e in trainer.scale_history) >= 1
+    # Every skipped attempt is in the history, the last (the one that raised) only in the stats.
+    recorded = sum(e["skipped"] for e in trainer.scale_history)
+    assert stats.skipped - (policy == "skip") == recorded >= 1
 
 
 def test_a_forward_overflow_names_the_module_made_an_island_not_every_parameter(tmp_path):

@@ -98,9 +98,14 @@ def test_plot_is_skipped_with_a_warning_without_matplotlib(monkeypatch, tmp_path
     assert not list(tmp_path.iterdir())
 
 
-def test_matplotlib_is_the_recipes_extra_that_dev_installs():
-    text = (REPO_ROOT / "pyproject.toml").read_text()
-    assert 'recipes = ["matplotlib>=3.7"]' in text and '"amp-trainer[recipes]"' in text
+def test_matplotlib_and_tensorboard_are_the_recipes_extra_that_dev_installs():
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extras["recipes"] == ["matplotlib>=3.7", "tensorboard>=2.14"]
+    assert "amp-trainer[recipes]" in extras["dev"]
 
 
 # ---- (b) forward overflows apart from gradient skips -----------------------------------------

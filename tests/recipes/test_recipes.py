@@ -81,6 +81,9 @@ def test_bert_recipe_prints_a_summary_table(bert_run):
     stdout = bert_run[1].stdout
     for row in ("eval accuracy", "loss scale final", "skipped steps", "tokens/s", "peak RSS"):
         assert row in stdout
+    steps = json.loads((bert_run[0] / "metrics.json").read_text())["optimizer_steps"]
+    assert steps["applied"] == 3 and steps["attempts"] >= 3  # max_steps counts applied updates
+    assert f"applied {steps['applied']} of {steps['attempts']} attempts" in stdout
 
 
 def test_gpt2_recipe_with_lora_saves_an_adapter_and_a_merged_fp16_export(gpt2_lora_run):

@@ -154,8 +154,10 @@ def test_resume_continues_the_compact_history_into_the_uninterrupted_runs(tmp_pa
     # checkpoint-3 ends on a step that is neither an event nor a logging step (kept as latest)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
 
-    # 1 skipped, 2 first at 512, 4 logged, 5 first at 1024 (grown after 3 clean steps), 6 skipped
-    assert [e["step"] for e in full.scale_history] == [1, 2, 4, 5, 6]
+    # Attempts 1 and 6 overflow; a skipped attempt is no step, so the next one has its number:
+    # 1 skipped, 1 first at 512, 4 logged and first at 1024 (grown after 3 clean steps),
+    # 5 skipped, 5 first at 512, 6 the latest.
+    assert [e["step"] for e in full.scale_history] == [1, 1, 4, 5, 5, 6]
     assert resumed.scale_history == full.scale_history
     summary = summarize_loss_scale(resumed.scale_history, resumed.loss_scaler.get_scale())
     assert (summary.steps, summary.skipped, summary.minimum) == (6, 2, 512.0)

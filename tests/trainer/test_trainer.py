@@ -279,15 +279,19 @@ def _train_with_overflows(tmp_path, steps, model=None, **overrides):
     return trainer
 
 
-def test_scale_history_has_one_entry_per_optimizer_step_with_the_scale_it_ran_with(tmp_path):
+def test_scale_history_has_one_entry_per_optimizer_step_attempt_with_the_scale_it_ran_with(
+    tmp_path,
+):
     trainer = _train_with_overflows(tmp_path, {2}, max_steps=5)
 
-    # Step 1 clean; step 2 overflows at 1024 (-> 512); steps 3, 4 clean (-> 1024); 5 clean.
+    # Attempt 1 is step 1; attempt 2 overflows at 1024 (-> 512) and is no step, so attempt 3 is
+    # step 2 again; steps 2, 3 clean (-> 1024); 4, 5 clean. "step": the step it made or tried.
     assert trainer.scale_history == [
         {"step": 1, "scale": 1024.0, "skipped": False},
         {"step": 2, "scale": 1024.0, "skipped": True},
+        {"step": 2, "scale": 512.0, "skipped": False},
         {"step": 3, "scale": 512.0, "skipped": False},
-        {"step": 4, "scale": 512.0, "skipped": False},
+        {"step": 4, "scale": 1024.0, "skipped": False},
         {"step": 5, "scale": 1024.0, "skipped": False},
     ]
     assert all(type(entry["scale"]) is float for entry in trainer.scale_history)
@@ -308,7 +312,7 @@ def test_torch_compile_trains_fp16_with_fp32_norms_and_still_skips_an_overflow_s
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped, keep_torch_compile=False)
     assert trainer.accelerator.unwrap_model(trainer.model_wrapped) is not model  # compiled
     assert model.bert.embeddings.LayerNorm.weight.dtype == torch.float32
-    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False]
+    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False, False]
     assert all(math.isfinite(entry["loss"]) for entry in train_logs(trainer))
 
 
@@ -317,9 +321,9 @@ def test_gradient_accumulation_gives_one_scaler_step_per_window(tmp_path):
         tmp_path, {2}, max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=2
     )
 
-    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False]
-    assert trainer.loss_scaler.stats.steps == 3
-    assert trainer.lr_scheduler.last_epoch == 2
+    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False, False]
+    assert trainer.loss_scaler.stats.steps == 4  # four windows: three updates and a skip
+    assert trainer.lr_scheduler.last_epoch == 3
 
 
 def test_overflowing_parameter_names_are_logged_at_info(tmp_path, caplog):
@@ -335,14 +339,16 @@ def test_every_training_log_carries_loss_scale_and_skip_counts(tmp_path):
     trainer = _train_with_overflows(tmp_path, {2, 3}, max_steps=4, logging_steps=2)
 
     logs = train_logs(trainer)
+    # Attempts 2 and 3 are skipped: step 2 is attempt 4, step 4 attempt 6.
     assert [e["step"] for e in logs] == [2, 4]
-    assert [e["skipped_steps"] for e in logs] == [1, 2]
-    assert [e["step_skipped"] for e in logs] == [1, 0]
-    assert "grad_norm" not in logs[0] and math.isfinite(logs[1]["grad_norm"])
-    assert [e["loss_scale"] for e in logs] == [512.0, 256.0]
+    assert [e["skipped_steps"] for e in logs] == [2, 2]
+    assert [e["step_skipped"] for e in logs] == [2, 0]  # skipped since the previous log
+    assert [e["optimizer_step_attempts"] for e in logs] == [4, 6]
+    assert all(math.isfinite(e["grad_norm"]) for e in logs)  # logged steps are applied ones
+    assert [e["loss_scale"] for e in logs] == [256.0, 512.0]
 
 
-def test_callbacks_see_the_scalers_skip_flag_and_an_up_to_date_history(tmp_path):
+def test_callbacks_see_applied_updates_with_a_history_holding_the_skipped_attempt(tmp_path):
     class Probe(TrainerCallback):
         def __init__(self, trainer_ref):
             self.trainer_ref = trainer_ref
@@ -364,7 +370,8 @@ def test_callbacks_see_the_scalers_skip_flag_and_an_up_to_date_history(tmp_path)
     ref.append(trainer)
     trainer.train()
 
-    assert probe.seen == [(False, 1), (True, 2), (False, 3)]
+    # on_optimizer_step is an applied update's; the skipped attempt 2 is in the history already.
+    assert probe.seen == [(False, 1), (False, 3), (False, 4)]
 
 
 def test_fp16_training_reduces_the_loss(tmp_path):

@@ -63,8 +63,12 @@ def test_amp_trainer_reports_fused_adamw_overflow_steps_as_skipped_and_holds_the
 
     assert trainer.optimizer.optimizer.defaults["fused"] is True
     assert trainer.loss_scaler.get_scale() == 2.0**8
-    assert flags.flags == [False, True, False, True, False, False]
-    assert trainer.lr_scheduler.last_epoch == 4
+    assert trainer.loss_scaler.stats.skipped == 2
+    # Eight attempts, two skipped: six updates, and the LR moved on those six only. The skipped
+    # attempts are no steps, so on_optimizer_step hears only the applied updates.
+    assert trainer.state.optimizer_step_attempts == 8
+    assert trainer.state.global_step == trainer.lr_scheduler.last_epoch == 6
+    assert flags.flags == [False] * 6
 
 
 # ---- defect 2: gradient accumulation with a **kwargs forward that ignores num_items_in_batch --
@@ -205,8 +209,10 @@ def test_amp_trainer_logs_the_skip_and_the_scale_instead_of_an_inf_grad_norm(tmp
     trainer.train()
 
     logs = train_logs(trainer)
-    assert "grad_norm" not in logs[1]
-    assert all(torch.isfinite(torch.tensor(e["grad_norm"])) for e in (logs[0], logs[2]))
+    # Attempt 2 is skipped, so no log is "at" it (the logged steps are applied updates and their
+    # norms finite); the log of the step after it says one update was skipped since the last.
+    assert [e["step"] for e in logs] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(e["grad_norm"])) for e in logs)
     assert [e["step_skipped"] for e in logs] == [0, 1, 0]
     assert [e["skipped_steps"] for e in logs] == [0, 1, 1]
     assert [e["loss_scale"] for e in logs] == [2.0**10, 2.0**9, 2.0**9]

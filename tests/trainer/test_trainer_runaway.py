@@ -44,9 +44,11 @@ def test_consecutive_skipped_steps_end_the_run_in_every_min_scale_mode(tmp_path,
         trainer.train()
 
     assert isinstance(err.value, LossScaleError)
-    assert "steps 1-3" in str(err.value) and "max_consecutive_skipped_steps=3" in str(err.value)
+    message = str(err.value)
+    assert "attempts 1-3 at step 1" in message and "max_consecutive_skipped_steps=3" in message
     assert trainer.loss_scaler.stats.skipped == 3
-    assert trainer.state.global_step == 2  # stopped inside the third step, not at max_steps
+    # Stopped inside the third attempt; none was applied, so no step was made.
+    assert (trainer.state.global_step, trainer.state.optimizer_step_attempts) == (0, 3)
 
 
 def test_the_default_limit_of_100_stops_a_run_that_would_skip_to_the_end(tmp_path, caplog):

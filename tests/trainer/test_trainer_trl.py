@@ -84,8 +84,9 @@ def test_sft_trainer_trains_fp16_with_the_scaler_skipping_an_overflow(
     trainer.train()
 
     assert trainer.args.fp16 and not trainer.args.bf16
-    assert trainer.loss_scaler.stats.steps == 3 and trainer.loss_scaler.stats.skipped == 1
-    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False]
+    # Attempt 2 is skipped and is no step: max_steps=3 takes four attempts.
+    assert trainer.loss_scaler.stats.steps == 4 and trainer.loss_scaler.stats.skipped == 1
+    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False, False]
     logs = train_logs(trainer)
     assert [entry["loss_scale"] for entry in logs] == [1024.0, 512.0, 512.0]
     assert all(math.isfinite(entry["loss"]) for entry in logs)
@@ -109,8 +110,9 @@ def test_dpo_trainer_trains_fp16_with_the_scaler_skipping_an_overflow(tmp_path, 
     )
     trainer.train()
 
-    assert trainer.loss_scaler.stats.steps == 3 and trainer.loss_scaler.stats.skipped == 1
-    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False]
+    # Attempt 2 is skipped and is no step: max_steps=3 takes four attempts.
+    assert trainer.loss_scaler.stats.steps == 4 and trainer.loss_scaler.stats.skipped == 1
+    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False, False]
     logs = train_logs(trainer)
     assert [entry["loss_scale"] for entry in logs] == [1024.0, 512.0, 512.0]
     assert all("rewards/chosen" in entry for entry in logs)  # DPO's own metrics still logged

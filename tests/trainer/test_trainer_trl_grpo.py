@@ -92,13 +92,14 @@ def test_grpo_trains_fp16_skips_an_overflow_and_logs_the_loss_scale(tmp_path, to
 
     assert trainer.args.fp16 and trainer.precision == "fp16"
     assert torch.float16 in dtypes  # the policy's forward ran under fp16 autocast, on the CPU
-    assert trainer.loss_scaler.stats.steps == 3 and trainer.loss_scaler.stats.skipped == 1
+    # Attempt 2 is skipped and is no step: three steps take four attempts.
+    assert trainer.loss_scaler.stats.steps == 4 and trainer.loss_scaler.stats.skipped == 1
     assert trainer.loss_scaler.stats.last_overflow_params == ("transformer.h.0.mlp.c_fc.weight",)
-    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False]
+    assert [entry["skipped"] for entry in trainer.scale_history] == [False, True, False, False]
     logs = train_logs(trainer)
     assert [entry["loss_scale"] for entry in logs] == [1024.0, 512.0, 512.0]
     assert [entry["step_skipped"] for entry in logs] == [0, 1, 0]
-    assert logs[1]["learning_rate"] == logs[2]["learning_rate"]  # held on the skipped step
+    assert trainer.lr_scheduler.last_epoch == 3  # the LR held on the skipped attempt
     assert all("reward" in entry and math.isfinite(entry["reward"]) for entry in logs)
     assert torch.isfinite(_params(trainer)).all()
 
@@ -106,7 +107,7 @@ def test_grpo_trains_fp16_skips_an_overflow_and_logs_the_loss_scale(tmp_path, to
 def test_grpo_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, tokenizer):
     full = _trainer(tokenizer, tmp_path / "full", 3, callbacks=[_inject_at_step_2])
     full.train()
-    checkpoint = tmp_path / "full" / "checkpoint-2"  # taken right after the skipped step
+    checkpoint = tmp_path / "full" / "checkpoint-2"  # the step right after the skipped attempt
     assert checkpoint.is_dir()
 
     resumed = _trainer(tokenizer, tmp_path / "resumed", 3)
@@ -114,5 +115,5 @@ def test_grpo_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, tokenizer):
 
     assert resumed.loss_scaler.get_scale() == full.loss_scaler.get_scale() == 512.0
     assert resumed.loss_scaler.state_dict() == full.loss_scaler.state_dict()
-    assert [e["skipped"] for e in resumed.scale_history] == [False, True, False]
+    assert [e["skipped"] for e in resumed.scale_history] == [False, True, False, False]
     assert torch.equal(_params(resumed), _params(full))

@@ -54,9 +54,11 @@ class ForcedFSDP2Trainer(AmpTrainer):
 
     def training_step(self, model, inputs, *args, **kwargs):
         """After backward (FSDP2 has reduce-scattered the shards), before the scaler's inf check:
-        an inf in rank 1's local shard of ``classifier.weight``'s gradient at optimizer step 2."""
+        an inf in rank 1's local shard of ``classifier.weight``'s gradient at optimizer step
+        attempt 2 (attempts: a skipped update is no step, so "step 2" would overflow again)."""
         loss = super().training_step(model, inputs, *args, **kwargs)
-        if self.inject and self.state.global_step + 1 == 2 and dist.get_rank() == 1:
+        attempt = getattr(self.state, "optimizer_step_attempts", self.state.global_step) + 1
+        if self.inject and attempt == 2 and dist.get_rank() == 1:
             grad = model.get_parameter("classifier.weight").grad
             grad.to_local().view(-1)[0] = float("inf")
         return loss
