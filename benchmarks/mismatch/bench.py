@@ -175,9 +175,27 @@ def main(argv: list[str] | None = None) -> int:
 
     from amp_trainer.recipes import train_byte_level_bpe_tokenizer
 
+    # Quiet for the timing, and put back afterwards: a caller in the same process (a test run)
+    # keeps its own transformers verbosity, progress bars and threads.
+    threads, verbosity = torch.get_num_threads(), hf_logging.get_verbosity()
+    bars = datasets.is_progress_bar_enabled()
     torch.set_num_threads(args.threads)
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
+    try:
+        _measure_and_report(args, argv, train_byte_level_bpe_tokenizer)
+    finally:
+        torch.set_num_threads(threads)
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+    return 0
+
+
+def _measure_and_report(
+    args: argparse.Namespace, argv: list[str] | None, train_byte_level_bpe_tokenizer: Any
+) -> None:
+    """Time every mode, then print (and with --output write) the report."""
     modes: list[int | str | None] = [None, "again", *args.every]
     times: dict[int | str | None, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,4 +253,3 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.output is not None:
         write_text_atomic(args.output, text + "\n")
-    return 0
