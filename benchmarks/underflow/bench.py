@@ -173,16 +173,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = cli.parse(parser, argv)
     if min(args.steps, args.repeats, args.policy_steps, args.torch_steps) < 1:
         parser.error("--steps, --repeats, --policy-steps and --torch-steps must be >= 1")
-    torch.set_num_threads(1)
-    machine = format_machine(describe_machine())
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cost = measure_cost(args.steps, args.repeats, os.path.join(tmp, "run"))
-    two_sided = run_policy(
-        DynamicLossScaler("cpu", init_scale=1.0, grow_on_underflow=True), args.policy_steps, 10
-    )
-    torch_rule = run_policy(DynamicLossScaler("cpu", init_scale=1.0), args.torch_steps, 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # for the timing; put back for a caller in the same process
+    try:
+        machine = format_machine(describe_machine())
+        with tempfile.TemporaryDirectory() as tmp:
+            cost = measure_cost(args.steps, args.repeats, os.path.join(tmp, "run"))
+        two_sided = run_policy(
+            DynamicLossScaler("cpu", init_scale=1.0, grow_on_underflow=True), args.policy_steps, 10
+        )
+        torch_rule = run_policy(DynamicLossScaler("cpu", init_scale=1.0), args.torch_steps, 0)
+    finally:
+        torch.set_num_threads(threads)
     reached = next(
         (r["step"] for r in two_sided if r["underflow"] is not None and r["underflow"] < 1e-3),
         None,

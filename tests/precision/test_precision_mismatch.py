@@ -24,7 +24,13 @@ from amp_trainer import (
     measure_precision_mismatch,
 )
 from amp_trainer.mismatch import FIGURES
-from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2
+from tests.helpers.tiny_models import (
+    COLOURS,
+    THINGS,
+    colour_bpe_tokenizer,
+    make_tiny_bert,
+    make_tiny_gpt2,
+)
 from tests.helpers.training import tiny_training_args
 
 VOCAB = 512
@@ -316,12 +322,10 @@ def test_amp_trainer_attaches_the_callbacks_it_is_given_and_measures_its_own_pre
 # --------------------------------------------------------------------------------------------
 # the callback in TRL's GRPOTrainer
 # --------------------------------------------------------------------------------------------
-_COLOURS = ["red", "green", "blue", "yellow", "black", "white", "orange", "purple"]
-_THINGS = ["apple", "car", "house", "bird", "river", "stone", "cloud", "book"]
 
 
 def _says_a_colour(completions: list[str], **kwargs) -> list[float]:
-    return [sum(c in text for c in _COLOURS) - 0.01 * len(text) for text in completions]
+    return [sum(c in text for c in COLOURS) - 0.01 * len(text) for text in completions]
 
 
 class _TrainingForwards:
@@ -370,7 +374,7 @@ def _grpo_run(tokenizer, output_dir, meter):
         model=model,
         reward_funcs=_says_a_colour,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": [f"Which {t} is it?" for t in _THINGS] * 2}),
+        train_dataset=Dataset.from_dict({"prompt": [f"Which {t} is it?" for t in THINGS] * 2}),
         processing_class=tokenizer,
         callbacks=[meter] if meter is not None else None,
     )
@@ -382,16 +386,10 @@ def _grpo_run(tokenizer, output_dir, meter):
 def grpo_runs(tmp_path_factory):
     """The same 3-step fp16 GRPO run twice: with the meter on every step, and without it."""
     pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
-    from amp_trainer.recipes import train_byte_level_bpe_tokenizer
-
     root = tmp_path_factory.mktemp("grpo")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("AMP_TRAINER_CACHE", str(root / "cache"))
-        sentences = [
-            f"The {_COLOURS[i % 8]} {_THINGS[(i * 3) % 8]} is next to the {_THINGS[(i * 5) % 8]}."
-            for i in range(64)
-        ]
-        tokenizer = train_byte_level_bpe_tokenizer(sentences, vocab_size=300, model_max_length=64)
+        tokenizer = colour_bpe_tokenizer()
     meter = PrecisionMismatchCallback(every_n_steps=1)
     with_meter = _grpo_run(tokenizer, root / "with", meter)
     without = _grpo_run(tokenizer, root / "without", None)
