@@ -20,6 +20,13 @@ the first module whose output went non-finite or out of the FP16 range although 
 fine: the module that *made* the overflow, not the dozens it propagated through. It returns a
 :class:`Diagnosis` with a :class:`Verdict`, plain words and a suggested fix.
 
+An FP16-unfriendly layer rarely comes alone: once the first overflowing module computes in FP32,
+its large (finite) output reaches the next FP16 layer, which overflows in turn. So the doctor
+keeps going as the training guard does (:mod:`amp_trainer.forward_overflow`): it makes each
+module it names an FP32 island on a copy and re-runs the forward until it is finite, then
+confirms the whole set by rerunning the AMP stage with those islands; the fix names every module
+(:attr:`Diagnosis.fp32_modules`) and says whether that rerun confirmed it.
+
 Example::
 
     from amp_trainer.doctor import diagnose
@@ -34,7 +41,7 @@ import copy
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -42,14 +49,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from amp_trainer.forward_overflow.divergence import loss_diverged
-from amp_trainer.islands import is_norm_module
-from amp_trainer.numerics import (
-    FP16_MAX,
-    OverflowProbe,
-    describe_module,
-    nonfinite_inputs,
+from amp_trainer.doctor_stages import (
+    LossFn,
+    OptimizerFactory,
+    StageResult,
+    default_loss,
+    default_optimizer,
+    exactly,
+    islands_until_finite,
+    run_stage,
+    to_device,
 )
+from amp_trainer.islands import is_norm_module, keep_in_fp32
+from amp_trainer.numerics import FP16_MAX, describe_module, nonfinite_inputs
 from amp_trainer.underflow import UnderflowReading, measure_underflow
 
 __all__ = [
@@ -68,13 +80,6 @@ _LR_DIVISORS = (10.0, 100.0, 1000.0)
 # A loss that blows up in FP32 is the learning rate for sure: keep going down until it descends
 # (lr 100 on a tiny BERT: lr 10, 1 and 0.1 stay finite but climb; 0.01 descends).
 _DIVERGENCE_DIVISORS = (*_LR_DIVISORS, 1e4, 1e5)
-# A first cross-entropy loss this many times a uniform guess's ln(C) (and 10 above it) is only
-# reachable with confidently wrong logits: weights that already diverged.
-_DIVERGED_OVER_UNIFORM = 10.0
-_DIVERGED_MARGIN = 10.0
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
-LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
 
 
 class Verdict(str, Enum):
@@ -89,77 +94,6 @@ class Verdict(str, Enum):
     UNRESOLVED = "unresolved"
 
 
-# --------------------------------------------------------------------------------------------
-# results
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StageResult:
-    """One triage run: ``steps`` optimizer steps on copies of the model and batch.
-
-    ``first_bad_step`` is the 0-based step whose loss or (unscaled, for the stages without a
-    scaler) gradients were non-finite, ``None`` if none was. ``overflow_module`` is the first
-    module the :class:`OverflowProbe` caught (FP16 range in the FP16 stages, inf/NaN in FP32),
-    ``overflow_step`` the step it happened in. ``nonfinite_grads`` names the parameters whose
-    gradients were non-finite (from the scaler's attribution in the AMP stage).
-    """
-
-    name: str
-    precision: str
-    lr: float
-    steps: int
-    losses: tuple[float, ...]
-    first_bad_step: int | None
-    overflow_module: str | None
-    overflow_step: int | None
-    nonfinite_grads: tuple[str, ...]
-    skipped_steps: int = 0
-    final_scale: float | None = None
-    uniform_loss: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.first_bad_step is None
-
-    @property
-    def diverged(self) -> bool:
-        """Finite, but the loss rose far above its first value (the guard's rule,
-        :func:`~amp_trainer.forward_overflow.divergence.loss_diverged`): a learning-rate problem."""
-        later = [loss for loss in self.losses[1:] if math.isfinite(loss)]
-        return bool(later) and loss_diverged(self.losses[0], max(later))
-
-    @property
-    def improving(self) -> bool:
-        """Finite and the loss went down over the steps: what a suggested fix must show
-        (staying finite is not enough: lr 1 on a tiny BERT stays finite while its loss climbs
-        from 0.69 to 15)."""
-        return self.ok and (len(self.losses) < 2 or self.losses[-1] < self.losses[0])
-
-    @property
-    def already_diverged(self) -> bool:
-        """The first loss is far above what a uniform guess over the output's classes scores."""
-        if self.uniform_loss is None or not self.losses or not math.isfinite(self.losses[0]):
-            return False
-        limit = max(
-            _DIVERGED_OVER_UNIFORM * self.uniform_loss, self.uniform_loss + _DIVERGED_MARGIN
-        )
-        return self.losses[0] > limit
-
-    def summary(self) -> str:
-        losses = ", ".join(f"{loss:.4g}" for loss in self.losses)
-        line = f"{self.name} (lr={self.lr:g}): "
-        line += "ok" if self.ok else f"non-finite at step {self.first_bad_step}"
-        line += f"; losses [{losses}]"
-        if self.overflow_module is not None:
-            line += f"; first overflow: {self.overflow_module!r} (step {self.overflow_step})"
-        if self.final_scale is not None:
-            line += f"; loss scale {self.final_scale:g}, {self.skipped_steps} skipped"
-        if self.nonfinite_grads:
-            shown = ", ".join(self.nonfinite_grads[:5])
-            more = len(self.nonfinite_grads) - 5
-            line += f"; non-finite grads: {shown}" + (f" and {more} more" if more > 0 else "")
-        return line
-
-
 @dataclass(frozen=True)
 class Diagnosis:
     """The triage's conclusion: :attr:`verdict`, why (:attr:`explanation`), what to do
@@ -172,10 +106,24 @@ class Diagnosis:
     stages: tuple[StageResult, ...]
     #: The underflow check at the run's loss scale (``None`` when the triage stopped earlier).
     underflow: UnderflowReading | None = None
+    #: ``fp16_unfriendly_layer``: every module the fix keeps in FP32, in the order they
+    #: overflowed (the culprit first; each next one overflowed once the ones before it were FP32
+    #: islands). Empty for the other verdicts.
+    fp32_modules: tuple[str, ...] = ()
+    #: ``fp16_unfriendly_layer``: the AMP stage rerun with :attr:`fp32_modules` as FP32 islands
+    #: (``keep_in_fp32``), the evidence that the fix works; ``None`` for the other verdicts.
+    fix_check: StageResult | None = None
+
+    @property
+    def fix_confirmed(self) -> bool | None:
+        """Whether the rerun with the suggested FP32 islands stayed finite (``None``: the
+        verdict's fix is not one that a rerun can check)."""
+        return None if self.fix_check is None else self.fix_check.ok
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["verdict"] = self.verdict.value
+        data["fix_confirmed"] = self.fix_confirmed
         return data
 
     def __str__(self) -> str:
@@ -184,6 +132,8 @@ class Diagnosis:
             lines.append(f"culprit: {self.culprit}")
         lines.append(f"fix: {self.suggestion}")
         lines += ["stages:"] + [f"  {stage.summary()}" for stage in self.stages]
+        if self.fix_check is not None:
+            lines.append(f"  {self.fix_check.summary()}")
         reading = self.underflow
         if reading is not None and reading.underflow is not None:
             headroom = "" if reading.headroom is None else f", headroom {reading.headroom:.1f}"
@@ -192,140 +142,6 @@ class Diagnosis:
                 f"of the gradient flushed to zero{headroom}"
             )
         return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# running one stage
-# --------------------------------------------------------------------------------------------
-def _default_optimizer(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr)
-
-
-def _default_loss(output: Any, batch: Mapping[str, Any]) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
-        loss = output
-    if not isinstance(loss, torch.Tensor):
-        raise ValueError(
-            "the model's output has no loss: put labels in the batch (transformers models then "
-            "return .loss) or pass loss_fn=lambda output, batch: ..."
-        )
-    return loss
-
-
-def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def _nonfinite_grads(model: nn.Module) -> tuple[str, ...]:
-    return tuple(
-        name
-        for name, p in model.named_parameters()
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all())
-    )
-
-
-def _run_stage(
-    name: str,
-    model: nn.Module,
-    batch: Mapping[str, Any],
-    *,
-    precision: str,
-    use_scaler: bool,
-    lr: float,
-    steps: int,
-    device: torch.device,
-    optimizer_factory: OptimizerFactory,
-    loss_fn: LossFn,
-    loss_scale: float = 2.0**16,
-) -> StageResult:
-    from amp_trainer.scaler import DynamicLossScaler
-
-    work = copy.deepcopy(model).to(device).float().train()
-    optimizer = optimizer_factory(work.parameters(), lr)
-    scaler = (
-        DynamicLossScaler(
-            device.type, init_scale=loss_scale, min_scale=min(1.0, loss_scale), on_min_scale="clamp"
-        ).watch(work)
-        if use_scaler
-        else None
-    )
-    fp16 = precision == "fp16"
-    limit = FP16_MAX if fp16 else math.inf
-    losses: list[float] = []
-    first_bad: int | None = None
-    overflow_module: str | None = None
-    overflow_step: int | None = None
-    bad_grads: tuple[str, ...] = ()
-    skipped = 0
-    uniform: float | None = None
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        with (
-            OverflowProbe(work, limit=limit) as probe,
-            torch.autocast(device.type, dtype=torch.float16, enabled=fp16),
-        ):
-            output = work(**batch)
-            loss = loss_fn(output, batch)
-        if step == 0 and loss_fn is _default_loss and _loss_is_a_mean(work):
-            uniform = _uniform_guess_loss(output)
-        if probe.first is not None and overflow_module is None:
-            overflow_module, overflow_step = probe.first, step
-        loss_value = float(loss.detach().float())
-        losses.append(loss_value)
-        if not math.isfinite(loss_value):
-            first_bad = step
-            break
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            scaler.step(optimizer)
-            scaler.update()
-            if scaler.step_was_skipped:
-                skipped += 1
-                bad_grads = bad_grads or scaler.stats.last_overflow_params
-        else:
-            loss.backward()
-            found = _nonfinite_grads(work)
-            if found:
-                bad_grads, first_bad = found, step
-                break
-            optimizer.step()
-    if scaler is not None and skipped == steps and first_bad is None:
-        first_bad = 0  # every step overflowed: nothing was ever applied
-    return StageResult(
-        name=name,
-        precision=precision,
-        lr=lr,
-        steps=steps,
-        losses=tuple(losses),
-        first_bad_step=first_bad,
-        overflow_module=overflow_module,
-        overflow_step=overflow_step,
-        nonfinite_grads=bad_grads,
-        skipped_steps=skipped,
-        final_scale=scaler.get_scale() if scaler is not None else None,
-        uniform_loss=uniform,
-    )
-
-
-def _loss_is_a_mean(model: nn.Module) -> bool:
-    """Whether the model's own loss is a per-token mean, which ln(C) can be compared with. A
-    CTC head summing over the batch (Wav2Vec2's default ``ctc_loss_reduction="sum"``) scores
-    hundreds on a fresh model: no sign of divergence."""
-    config = getattr(model, "config", None)
-    return getattr(config, "ctc_loss_reduction", "mean") != "sum"
-
-
-def _uniform_guess_loss(output: Any) -> float | None:
-    """ln(C) for an output with ``logits`` over C >= 2 classes (what the model's own
-    cross-entropy loss scores for a uniform guess), else None."""
-    logits = (
-        output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
-    )
-    if isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[-1] >= 2:
-        return math.log(logits.shape[-1])
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,15 +207,15 @@ def diagnose(
         if device is not None
         else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     )
-    batch = _to_device(batch, dev)
+    batch = to_device(batch, dev)
     common: dict[str, Any] = {
         "steps": steps,
         "device": dev,
-        "optimizer_factory": optimizer_factory or _default_optimizer,
-        "loss_fn": loss_fn or _default_loss,
+        "optimizer_factory": optimizer_factory or default_optimizer,
+        "loss_fn": loss_fn or default_loss,
         "loss_scale": float(loss_scale),
     }
-    fp32 = _run_stage("1. fp32", model, batch, precision="fp32", use_scaler=False, lr=lr, **common)
+    fp32 = run_stage("1. fp32", model, batch, precision="fp32", use_scaler=False, lr=lr, **common)
     stages = [fp32]
 
     def ladder(
@@ -408,7 +224,7 @@ def diagnose(
         """Step 4: rerun at lr/10, /100, /1000; the first whose loss goes down, else None."""
         for divisor in divisors:
             label = f"4. {'amp' if use_scaler else precision} lr/{divisor:g}"
-            result = _run_stage(
+            result = run_stage(
                 label,
                 model,
                 batch,
@@ -464,7 +280,7 @@ def diagnose(
     if fp32.already_diverged or fp32.diverged:
         return _divergence_diagnosis(model, batch, lr, fp32, stages, common, ladder)
 
-    autocast_only = _run_stage(
+    autocast_only = run_stage(
         "2. fp16 autocast, no scaler",
         model,
         batch,
@@ -473,7 +289,7 @@ def diagnose(
         lr=lr,
         **common,
     )
-    amp = _run_stage(
+    amp = run_stage(
         "3. fp16 amp + DynamicLossScaler",
         model,
         batch,
@@ -489,14 +305,16 @@ def diagnose(
     )
     broke_at_once = any(s.first_bad_step == 0 for s in (autocast_only, amp))
     if first_forward_overflow is not None and (broke_at_once or not amp.ok):
-        return _fp16_layer_diagnosis(model, first_forward_overflow, amp, tuple(stages))
+        return _fp16_layer_diagnosis(
+            model, batch, first_forward_overflow, amp, tuple(stages), common
+        )
     if not amp.ok or not autocast_only.ok:
         found = ladder("fp16", True)
         if found is not None:
             return _lr_diagnosis(lr, found, "FP16 AMP", tuple(stages))
         culprit_stage = next((s for s in (autocast_only, amp) if s.overflow_module), amp)
         if culprit_stage.overflow_module is not None:
-            return _fp16_layer_diagnosis(model, culprit_stage, amp, tuple(stages))
+            return _fp16_layer_diagnosis(model, batch, culprit_stage, amp, tuple(stages), common)
         return Diagnosis(
             Verdict.UNRESOLVED,
             "FP32 is clean but FP16 becomes non-finite, at every lr tried, without a module "
@@ -507,7 +325,7 @@ def diagnose(
             tuple(stages),
         )
     stages.append(
-        _run_stage(
+        run_stage(
             f"4. amp lr/{_LR_DIVISORS[0]:g}",
             model,
             batch,
@@ -591,7 +409,7 @@ def _divergence_diagnosis(
         ("3. fp16 amp + DynamicLossScaler", True),
     ):
         stages.append(
-            _run_stage(name, model, batch, precision="fp16", use_scaler=use_scaler, lr=lr, **common)
+            run_stage(name, model, batch, precision="fp16", use_scaler=use_scaler, lr=lr, **common)
         )
     overflow = next((s.overflow_module for s in stages[1:] if s.overflow_module), None)
     follows = (
@@ -654,33 +472,79 @@ def _lr_diagnosis(
 
 
 def _fp16_layer_diagnosis(
-    model: nn.Module, culprit_stage: StageResult, amp: StageResult, stages: tuple[StageResult, ...]
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    culprit_stage: StageResult,
+    amp: StageResult,
+    stages: tuple[StageResult, ...],
+    common: Mapping[str, Any],
 ) -> Diagnosis:
     culprit = culprit_stage.overflow_module
     assert culprit is not None
+    names = islands_until_finite(model, batch, culprit, common["device"])
+    fixed = copy.deepcopy(model)
+    keep_in_fp32(fixed, exactly(names))
+    check = run_stage(
+        "fix check: fp16 amp + DynamicLossScaler, FP32 islands as suggested",
+        fixed,
+        batch,
+        precision="fp16",
+        use_scaler=True,
+        lr=amp.lr,
+        probe_limit=math.inf,
+        **common,
+    )
+    listed = ", ".join(repr(name) for name in names)
+    which = f"{listed} in FP32" if len(names) > 1 else f"{culprit!r} in FP32"
     module = dict(model.named_modules()).get(culprit)
-    if module is not None and is_norm_module(module):
+    if module is not None and is_norm_module(module) and len(names) == 1:
         fix = (
-            f"Keep {culprit!r} in FP32: amp_trainer.keep_norms_in_fp32(model) does it for every "
+            f"Keep {which}: amp_trainer.keep_norms_in_fp32(model) does it for every "
             "normalisation layer. Or train in bf16 (FP32's exponent range, no loss scaling)."
         )
     else:
         fix = (
-            f"Keep {culprit!r} in FP32: amp_trainer.keep_in_fp32(model, [{culprit!r}]), or "
-            f"fp32_modules=[{culprit!r}] in AmpTrainingArguments / AmpAccelerator (AmpTrainer's "
+            f"Keep {which}: amp_trainer.keep_in_fp32(model, [{listed}]), or "
+            f"fp32_modules=[{listed}] in AmpTrainingArguments / AmpAccelerator (AmpTrainer's "
             "default on_forward_overflow='fp32' does it by itself at the first overflowing step). "
             "module.float() alone is not enough: autocast would cast it back to FP16. Or rescale "
             "its weights/inputs, or train in bf16 (FP32's exponent range, no loss scaling)."
         )
+    fix += " " + _fix_check_words(names, check)
     grads = ""
     if amp.nonfinite_grads:
         grads = f" Non-finite gradients under AMP: {', '.join(amp.nonfinite_grads[:5])}."
+    chain = ""
+    if len(names) > 1:
+        chain = (
+            " With it in FP32, its output (finite, beyond FP16's range) overflows the next FP16 "
+            f"layer: {len(names)} modules must compute in FP32 ({listed})."
+        )
     return Diagnosis(
         Verdict.FP16_UNFRIENDLY_LAYER,
         f"pure FP32 is clean, but under FP16 autocast {describe_module(model, culprit)} produces "
         f"values beyond FP16's range (|x| > {FP16_MAX:g}) or NaN from finite inputs at step "
-        f"{culprit_stage.overflow_step}.{grads}",
+        f"{culprit_stage.overflow_step}.{grads}{chain}",
         fix,
         culprit,
         stages,
+        fp32_modules=names,
+        fix_check=check,
+    )
+
+
+def _fix_check_words(names: tuple[str, ...], check: StageResult) -> str:
+    """What the AMP rerun with the suggested islands showed, in one sentence."""
+    islands = f"these {len(names)} FP32 islands" if len(names) > 1 else "this FP32 island"
+    if check.ok:
+        losses = check.losses
+        trend = f"losses {losses[0]:.4g} -> {losses[-1]:.4g}" if losses else "no losses"
+        return (
+            f"Confirmed: rerun with {islands}, full AMP ran {check.steps} step(s) finite "
+            f"({trend}, {check.skipped_steps} skipped)."
+        )
+    where = f", first overflow in {check.overflow_module!r}" if check.overflow_module else ""
+    return (
+        f"Could not confirm: rerun with {islands}, full AMP is still non-finite at step "
+        f"{check.first_bad_step}{where}; compute that part in FP32 too, or train in bf16."
     )
