@@ -25,25 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from transformers import DataCollatorWithPadding
 
-from amp_trainer import AmpTrainer
+# Only what --help needs up here: it is answered before torch and transformers load (main()).
 from amp_trainer.recipes import (
-    CLASSIFICATION,
-    RecipeRun,
     SharedDataArguments,
     SharedModelArguments,
-    accuracy_against_majority,
-    apply_lora,
-    apply_sample_limits,
-    build_classifier,
-    check_labels_against_model,
-    check_sequence_length,
-    classification_tokenizer,
-    load_text_classification,
+    answer_help,
     run_entry_point,
-    tokenize_classification,
-    validation_size_hint,
 )
 
 logger = logging.getLogger("finetune_bert")
@@ -97,6 +85,25 @@ def compute_metrics(eval_pred) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> None:
+    answer_help(Path(__file__).name, argv, (ModelArguments, DataArguments), DEFAULT_CONFIG)
+    from transformers import DataCollatorWithPadding
+
+    from amp_trainer import AmpTrainer
+    from amp_trainer.recipes import (
+        CLASSIFICATION,
+        RecipeRun,
+        accuracy_against_majority,
+        apply_lora,
+        apply_sample_limits,
+        build_classifier,
+        check_labels_against_model,
+        check_sequence_length,
+        classification_tokenizer,
+        load_text_classification,
+        tokenize_classification,
+        validation_size_hint,
+    )
+
     # ---- config: the YAML file and flags; the user's choices are checked before anything costly
     run = RecipeRun.parse(
         "finetune_bert", argv, ModelArguments, DataArguments, DEFAULT_CONFIG, task=CLASSIFICATION

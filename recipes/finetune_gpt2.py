@@ -27,26 +27,18 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import default_data_collator
-
-from amp_trainer import AmpTrainer
+# Only what --help needs up here: it is answered before torch and transformers load (main()).
 from amp_trainer.recipes import (
-    CAUSAL_LM,
-    RecipeRun,
     SharedDataArguments,
     SharedModelArguments,
-    apply_lora,
-    apply_sample_limits,
-    build_causal_lm,
-    causal_lm_tokenizer,
-    check_sequence_length,
-    load_lm_corpus,
+    answer_help,
     run_entry_point,
-    tokenize_and_chunk,
-    validation_size_hint,
 )
+
+if TYPE_CHECKING:
+    from amp_trainer.recipes import RecipeRun
 
 logger = logging.getLogger("finetune_gpt2")
 
@@ -112,9 +104,9 @@ def choose_prompt(run: RecipeRun, validation_texts: Iterable[str]) -> tuple[str,
     return "The", "no validation text to take one from; --prompt sets one"
 
 
-@torch.no_grad()
 def greedy_sample(model, tokenizer, prompt: str, new_tokens: int) -> str:
-    """A short greedy continuation of ``prompt`` (deterministic, so before/after compare)."""
+    """A short greedy continuation of ``prompt`` (deterministic, so before/after compare;
+    ``generate`` computes no gradients)."""
     device = next(model.parameters()).device
     inputs = tokenizer(prompt, return_tensors="pt").to(device)
     was_training = model.training
@@ -146,6 +138,23 @@ def perplexity(eval_loss: float | None) -> float | None:
 
 
 def main(argv: list[str]) -> None:
+    answer_help(Path(__file__).name, argv, (ModelArguments, DataArguments), DEFAULT_CONFIG)
+    from transformers import default_data_collator
+
+    from amp_trainer import AmpTrainer
+    from amp_trainer.recipes import (
+        CAUSAL_LM,
+        RecipeRun,
+        apply_lora,
+        apply_sample_limits,
+        build_causal_lm,
+        causal_lm_tokenizer,
+        check_sequence_length,
+        load_lm_corpus,
+        tokenize_and_chunk,
+        validation_size_hint,
+    )
+
     # ---- config: the YAML file and flags; the user's choices are checked before anything costly
     run = RecipeRun.parse(
         "finetune_gpt2", argv, ModelArguments, DataArguments, DEFAULT_CONFIG, task=CAUSAL_LM

@@ -38,6 +38,7 @@ __all__ = [
     "SharedModelArguments",
     "UsageError",
     "accuracy_against_majority",
+    "answer_help",
     "apply_lora",
     "apply_sample_limits",
     "build_causal_lm",
@@ -65,10 +66,11 @@ __all__ = [
 
 _WHERE = {
     "RecipeRun": "amp_trainer.recipes.run",
-    "SharedDataArguments": "amp_trainer.recipes.run",
-    "SharedModelArguments": "amp_trainer.recipes.run",
+    "SharedDataArguments": "amp_trainer.recipes.arguments",
+    "SharedModelArguments": "amp_trainer.recipes.arguments",
     "apply_sample_limits": "amp_trainer.recipes.run",
-    "RunArguments": "amp_trainer.recipes.config",
+    "RunArguments": "amp_trainer.recipes.arguments",
+    "answer_help": "amp_trainer.recipes.help",
     "parse_args_with_config": "amp_trainer.recipes.config",
     "UsageError": "amp_trainer.entry_point",
     "run_entry_point": "amp_trainer.entry_point",
@@ -107,7 +109,12 @@ _WHERE = {
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.entry_point import UsageError, run_entry_point
     from amp_trainer.offline_model import OFFLINE_MINILM, resolve_model_path
-    from amp_trainer.recipes.config import RunArguments, parse_args_with_config
+    from amp_trainer.recipes.arguments import (
+        RunArguments,
+        SharedDataArguments,
+        SharedModelArguments,
+    )
+    from amp_trainer.recipes.config import parse_args_with_config
     from amp_trainer.recipes.data import (
         OFFLINE_DATASET,
         ClassificationData,
@@ -119,6 +126,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         tokenize_and_chunk,
         tokenize_classification,
     )
+    from amp_trainer.recipes.help import answer_help
     from amp_trainer.recipes.models import (
         CAUSAL_LM,
         CLASSIFICATION,
@@ -140,12 +148,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         summarize_loss_scale,
         validation_size_hint,
     )
-    from amp_trainer.recipes.run import (
-        RecipeRun,
-        SharedDataArguments,
-        SharedModelArguments,
-        apply_sample_limits,
-    )
+    from amp_trainer.recipes.run import RecipeRun, apply_sample_limits
     from amp_trainer.recipes.tokenizers import (
         train_byte_level_bpe_tokenizer,
         train_wordpiece_tokenizer,

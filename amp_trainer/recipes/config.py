@@ -12,10 +12,8 @@ ends: every exception becomes ONE line on stderr and an exit code.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
-import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -27,9 +25,10 @@ from amp_trainer.entry_point import (
     EXIT_TERMINATED,
     EXIT_USAGE,
     UsageError,
-    one_line,
     run_entry_point,
 )
+from amp_trainer.recipes.arguments import RunArguments, load_yaml_config
+from amp_trainer.recipes.help import short_help
 
 __all__ = [
     "EXIT_FAILED",
@@ -47,22 +46,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class RunArguments:
-    """Flags every recipe has about the run itself (not the model, data or training)."""
-
-    reuse_output_dir: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "help": "Start a new run in an output_dir that holds a previous run (metrics.json or "
-            "checkpoints): its final model, metrics.json and export are replaced, its "
-            "checkpoints are kept (never rotated away; one this run would overwrite is moved to "
-            "previous-run-checkpoints/ first). Without it such an output_dir is refused; "
-            "resuming one of its own checkpoints (--resume_from_checkpoint) needs no flag."
-        },
-    )
 
 
 def check_output_dir(
@@ -133,25 +116,6 @@ def _raise_usage_error(message: str) -> NoReturn:
     raise UsageError(message)
 
 
-def load_yaml_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a recipe YAML file: a flat mapping of argument names to values."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UsageError(f"config file {str(path)!r} is not valid YAML: {one_line(err)}") from err
-    if not isinstance(data, dict):
-        raise UsageError(
-            f"config file {str(path)!r} must hold a mapping of argument names to values, "
-            f"got {type(data).__name__}"
-        )
-    return data
-
-
 def parse_args_with_config(
     parser: Any,
     argv: Sequence[str],
@@ -177,6 +141,7 @@ def parse_args_with_config(
     full_help = "--help-all" in argv
     if full_help:
         argv = ["--help"]  # argparse's help of every flag, TrainingArguments' ~600 lines too
+        _describe_negated_flags(parser)
     # argparse prints a usage block and exits on a bad flag; an exception is reported in one line.
     parser.error = _raise_usage_error
     pre = argparse.ArgumentParser(add_help=False)
@@ -186,6 +151,7 @@ def parse_args_with_config(
     config_path = default_config if known.config is None else known.config
     if str(config_path).lower() in ("", "none"):
         config_path = None
+    typed: dict[str, Any] = {}
     if config_path is not None:
         values = load_yaml_config(config_path)
         dests = {action.dest for action in parser._actions}
@@ -207,9 +173,38 @@ def parse_args_with_config(
     if not full_help and (
         "-h" in rest or "--help" in rest
     ):  # after the config: its values are the defaults shown
-        print(_short_help(parser, config_path))
+        recipe_classes = [
+            kind
+            for kind in parser.dataclass_types
+            if not any(base.__name__ == "TrainingArguments" for base in kind.__mro__)
+            and kind is not RunArguments
+        ]
+        print(
+            short_help(
+                parser.prog,
+                recipe_classes,
+                config_path,
+                defaults=typed,
+                default_config=default_config,
+            )
+        )
         raise SystemExit(EXIT_OK)
     return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
+
+
+def _describe_negated_flags(parser: Any) -> None:
+    """Say what ``--no_X`` does. ``HfArgumentParser`` gives a bool field that defaults to True a
+    ``--no_X`` spelling with the field's own help: ``--no_keep_norms_fp32`` read "Keep
+    normalisation layers in fp32", the opposite of what it does."""
+    for action in parser._actions:
+        if isinstance(action, argparse._StoreFalseAction) and any(
+            option.startswith("--no_") for option in action.option_strings
+        ):
+            action.help = (
+                f"The same as --{action.dest} false: turns off what --{action.dest} does "
+                "(on by default)."
+            )
+            action.default = argparse.SUPPRESS  # no "(default: False)": it is not the field's
 
 
 def given_on_command_line(argv: Sequence[str], names: Iterable[str]) -> set[str]:
@@ -228,101 +223,6 @@ def given_on_command_line(argv: Sequence[str], names: Iterable[str]) -> set[str]
         parser.add_argument(*options, dest=name, default=argparse.SUPPRESS)
     known, _ = parser.parse_known_args(list(argv))
     return set(vars(known))
-
-
-#: The TrainingArguments flags a recipe user reaches for first; ``--help-all`` lists the rest.
-_COMMON_TRAINING_FLAGS = (
-    "output_dir",
-    "resume_from_checkpoint",
-    "max_steps",
-    "num_train_epochs",
-    "learning_rate",
-    "per_device_train_batch_size",
-    "per_device_eval_batch_size",
-    "gradient_accumulation_steps",
-    "eval_strategy",
-    "save_strategy",
-    "save_steps",
-    "save_total_limit",
-    "logging_steps",
-    "seed",
-    "use_cpu",
-    "report_to",
-    "disable_tqdm",
-)
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's formatter, wrapping only at spaces.
-
-    The stock one wraps with :func:`textwrap.wrap`'s defaults, which break at hyphens and inside
-    long words: at some terminal widths ``--help-all`` came out as ``--help-`` / ``all`` and a
-    config path was cut mid-name, so a flag the user must type was not on one line.
-    """
-
-    def _split_lines(self, text: str, width: int) -> list[str]:
-        text = " ".join(text.split())
-        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        text = " ".join(text.split())
-        return textwrap.fill(
-            text,
-            width,
-            initial_indent=indent,
-            subsequent_indent=indent,
-            break_on_hyphens=False,
-            break_long_words=False,
-        )
-
-
-def _short_help(parser: Any, config: str | os.PathLike[str] | None) -> str:
-    """``--help``: ``--config``, the recipe's own flags, amp-trainer's and the common training
-    flags, in that order; stock ``--help`` buries them in ~600 lines of TrainingArguments."""
-    from transformers import TrainingArguments
-
-    stock = {f.name for f in dataclasses.fields(TrainingArguments)}
-    groups: dict[str, list[str]] = {"recipe": [], "amp-trainer": [], "training": []}
-    for kind in parser.dataclass_types:
-        for f in dataclasses.fields(kind):
-            if not f.init:
-                continue
-            if not issubclass(kind, TrainingArguments):
-                groups["recipe"].append(f.name)
-            elif f.name not in stock:
-                groups["amp-trainer"].append(f.name)
-    groups["training"] = [name for name in _COMMON_TRAINING_FLAGS if name in stock]
-    actions = {action.dest: action for action in parser._actions}
-    short = argparse.ArgumentParser(
-        prog=parser.prog,
-        add_help=False,
-        usage=f"{parser.prog} [--config FILE.yaml] [--FLAG VALUE ...]",
-        formatter_class=_HelpFormatter,
-        description=(
-            "Flags override the config file. The defaults shown are "
-            + (f"{config}'s" if config else "the flags' own")
-            + " (the config file in use). --help-all lists every flag (all of transformers' "
-            "TrainingArguments)."
-        ),
-    )
-    short.add_argument_group("config").add_argument(
-        "--config",
-        metavar="FILE.yaml",
-        default=str(config) if config else "none",
-        help="YAML of these flags (keys without '--'); 'none': the flags' own defaults.",
-    )
-    titles = {
-        "recipe": "the recipe's flags",
-        "amp-trainer": "amp-trainer's precision and loss-scaler flags",
-        "training": "the most used TrainingArguments (--help-all: all of them)",
-    }
-    for key, names in groups.items():
-        group = short.add_argument_group(titles[key])
-        for name in names:
-            if name in actions:
-                group._group_actions.append(actions[name])
-                short._actions.append(actions[name])
-    return short.format_help()
 
 
 def _spell_for_installed_transformers(

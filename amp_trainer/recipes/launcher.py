@@ -26,7 +26,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from amp_trainer.recipes.config import UsageError
+from amp_trainer.entry_point import UsageError
 
 __all__ = ["LAUNCHER_ENV", "LauncherPrecision", "one_process_notice", "processes_asked"]
 

@@ -38,14 +38,12 @@ from transformers import HfArgumentParser
 
 from amp_trainer import AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
+from amp_trainer.recipes.arguments import SharedDataArguments, SharedModelArguments
 from amp_trainer.recipes.config import (
     RunArguments,
     check_output_dir,
     given_on_command_line,
     parse_args_with_config,
-)
-from amp_trainer.recipes.data import (
-    OFFLINE_DATASET,
 )
 from amp_trainer.recipes.held_logs import holding_library_logs, release
 from amp_trainer.recipes.launcher import LauncherPrecision, one_process_notice
@@ -99,63 +97,6 @@ _TRAINING_KEYS = (
     "loss_scale_growth_interval",
     "loss_scale_hysteresis",
 )
-
-
-# --------------------------------------------------------------------------------------------
-# The flags both recipes have (each recipe subclasses these: its defaults, its own flags)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SharedModelArguments:
-    """The model flags both recipes have; a recipe subclasses it for its defaults and own flags
-    (``recipes/finetune_bert.py``'s ``ModelArguments``), parsed by ``HfArgumentParser``."""
-
-    model_name_or_path: str = field(
-        metadata={"help": "A hub id or local folder for from_pretrained."}
-    )
-    tokenizer_vocab_size: int = field(
-        default=2000,
-        metadata={"help": "Vocabulary size of the tokenizer trained for from-scratch models."},
-    )
-    lora: bool = field(
-        default=False,
-        metadata={
-            "help": "Train LoRA adapters on the attention projections (peft), not all weights."
-        },
-    )
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.1, metadata={"help": "Dropout on the LoRA input."})
-
-
-@dataclass
-class SharedDataArguments:
-    """The data flags both recipes have (hub dataset, local files, sample limits); a recipe
-    subclasses it for its columns and sequence length, parsed by ``HfArgumentParser``."""
-
-    dataset_name: str | None = field(
-        default=OFFLINE_DATASET,
-        metadata={
-            "help": f"A hub dataset (its config in --dataset_config_name; configs/*.yaml name "
-            f"some) or '{OFFLINE_DATASET}' (built in, no network). Ignored when --train_file "
-            "is given."
-        },
-    )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config."})
-    train_file: str | None = field(
-        default=None, metadata={"help": "Local csv/json/jsonl (txt too for language modelling)."}
-    )
-    validation_file: str | None = field(
-        default=None,
-        metadata={"help": "Local file; default: the last 10%% of train (LM: 5%%) held out."},
-    )
-    max_train_samples: int | None = field(
-        default=None, metadata={"help": "Use only the first N training examples (LM: blocks)."}
-    )
-    max_eval_samples: int | None = field(
-        default=None, metadata={"help": "Use only the first N validation examples (LM: blocks)."}
-    )
 
 
 def apply_sample_limits(splits: Any, data_args: SharedDataArguments) -> None:
