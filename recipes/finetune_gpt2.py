@@ -144,6 +144,7 @@ def main(argv: list[str]) -> None:
     from amp_trainer import AmpTrainer
     from amp_trainer.recipes import (
         CAUSAL_LM,
+        TINY_MODEL_CONFIGS,
         RecipeRun,
         apply_lora,
         apply_sample_limits,
@@ -152,6 +153,7 @@ def main(argv: list[str]) -> None:
         check_sequence_length,
         load_lm_corpus,
         tokenize_and_chunk,
+        training_length_hint,
         validation_size_hint,
     )
 
@@ -229,6 +231,14 @@ def main(argv: list[str]) -> None:
     # ---- finish: training.png, FP16 export + parity report, metrics.json, summary table
     ppl_before = perplexity(before.get("untrained_loss"))
     ppl_after = perplexity(eval_metrics.get("eval_loss"))
+    state = trainer.state
+    length_hint = training_length_hint(
+        state.global_step,
+        model_args.model_name_or_path in TINY_MODEL_CONFIGS,
+        model_args.model_name_or_path,
+        updates_per_epoch=round(state.max_steps / max(1, state.num_train_epochs)),
+        max_steps=training_args.max_steps,
+    )
     run.finish(
         trainer,
         train_result,
@@ -251,7 +261,9 @@ def main(argv: list[str]) -> None:
             f"prompt: {data_args.prompt!r} ({prompt_source})",
             f"  before training: {sample_before!r}",
             f"  after training:  {sample_after!r}",
-            *filter(None, [validation_size_hint(blocks["validation"].num_rows, block_size)]),
+            *filter(
+                None, [length_hint, validation_size_hint(blocks["validation"].num_rows, block_size)]
+            ),
         ],
     )
 

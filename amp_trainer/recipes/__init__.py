@@ -61,6 +61,7 @@ __all__ = [
     "tokenize_classification",
     "train_byte_level_bpe_tokenizer",
     "train_wordpiece_tokenizer",
+    "training_length_hint",
     "validation_size_hint",
 ]
 
@@ -103,6 +104,7 @@ _WHERE = {
     "accuracy_against_majority": "amp_trainer.recipes.reporting",
     "plot_training": "amp_trainer.recipes.reporting",
     "summarize_loss_scale": "amp_trainer.recipes.reporting",
+    "training_length_hint": "amp_trainer.recipes.reporting",
     "validation_size_hint": "amp_trainer.recipes.reporting",
 }
 
@@ -146,6 +148,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         accuracy_against_majority,
         plot_training,
         summarize_loss_scale,
+        training_length_hint,
         validation_size_hint,
     )
     from amp_trainer.recipes.run import RecipeRun, apply_sample_limits

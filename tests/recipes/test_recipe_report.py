@@ -35,6 +35,7 @@ from amp_trainer.recipes.reporting import (
     plot_training,
     summarize_loss_scale,
     training_figure,
+    training_length_hint,
     validation_size_hint,
 )
 from amp_trainer.recipes.run import RecipeRun
@@ -166,6 +167,16 @@ def test_a_one_block_validation_set_gets_a_hint_and_a_big_one_none():
     assert validation_size_hint(100) is None
 
 
+def test_a_from_scratch_model_under_100_updates_gets_a_hint_with_the_length_that_reaches_100():
+    hint = training_length_hint(16, True, "tiny-gpt2", updates_per_epoch=8, max_steps=-1)
+    assert hint.startswith("hint: 16 optimizer updates are far too few to train tiny-gpt2 from ")
+    assert "(--num_train_epochs 13: this data gives 8 updates an epoch)" in hint  # 13 * 8 >= 100
+    by_steps = training_length_hint(3, True, "tiny-bert", updates_per_epoch=40, max_steps=3)
+    assert "train for at least 100 updates (--max_steps 100)" in by_steps
+    assert training_length_hint(100, True, "tiny-gpt2", updates_per_epoch=8, max_steps=-1) is None
+    assert training_length_hint(16, False, "gpt2", updates_per_epoch=8, max_steps=-1) is None
+
+
 def test_lora_on_a_from_scratch_base_gets_a_hint_and_on_a_pretrained_one_none():
     hint = lora_base_hint(True, True, "tiny-gpt2")
     assert hint == (
@@ -282,3 +293,30 @@ def test_gpt2_on_the_users_text_prompts_with_it_and_hints_at_one_block_and_lora(
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["prompt"] == "Rivers carry sediment downstream"
     assert metrics["sample_before"].startswith("Rivers carry sediment downstream")
+
+
+@pytest.mark.slow
+def test_gpt2_from_scratch_on_a_small_file_for_two_epochs_hints_the_run_is_far_too_short(tmp_path):
+    """A user's small text file and the offline config's 2 epochs: a handful of updates, after
+    which the greedy sample is no continuation at all. The hint names the count the summary
+    shows and the epochs that reach 100 updates on this data."""
+    corpus = offline_lm_dataset()
+    (tmp_path / "train.txt").write_text("\n".join(corpus["train"]["text"][:60]) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(corpus["validation"]["text"][:20]) + "\n")
+    out = tmp_path / "run"
+    args = ["--train_file", str(tmp_path / "train.txt")]
+    args += ["--validation_file", str(tmp_path / "valid.txt"), "--output_dir", str(out)]
+    stdout = run_recipe(GPT2, args, tmp_path / "cache").stdout
+    applied = int(re.search(r"^\| optimizer steps +\| +applied (\d+) of", stdout, re.M).group(1))
+    per_epoch = applied // 2  # the config's num_train_epochs: 2
+    assert 0 < applied < 100 and applied == 2 * per_epoch
+    epochs = -(-100 // per_epoch)
+    assert (
+        f"hint: {applied} optimizer updates are far too few to train tiny-gpt2 from scratch: it "
+        "still predicts little more than the commonest tokens"
+    ) in stdout
+    assert (
+        f"train for at least 100 updates (--num_train_epochs {epochs}: this data gives "
+        f"{per_epoch} updates an epoch), on more text if there is more, or fine-tune a "
+        "pretrained --model_name_or_path"
+    ) in stdout
