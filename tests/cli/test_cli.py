@@ -135,11 +135,24 @@ def test_doctor_on_a_healthy_model_exits_zero_and_writes_json(model_dir, tmp_pat
     assert json.loads(diagnosis.read_text())["verdict"] == "healthy"
 
 
-def test_doctor_names_the_overflowing_layer_and_exits_one(overflowing_model_dir, capsys):
-    assert main(["doctor", "--model", str(overflowing_model_dir), "--steps", "1"]) == 1
+def test_doctor_names_the_overflowing_layer_and_exits_one(overflowing_model_dir, tmp_path, capsys):
+    """The culprit, and every module its FP32 fix needs: once the first is FP32, its output
+    overflows the Linear that reads it. The fix is rerun before it is printed as confirmed."""
+    report = tmp_path / "diagnosis.json"
+    argv = ["doctor", "--model", str(overflowing_model_dir), "--steps", "1"]
+    assert main([*argv, "--json", str(report)]) == 1
     out = capsys.readouterr().out
     assert "verdict: fp16_unfriendly_layer" in out
     assert "culprit: bert.encoder.layer.0.intermediate.dense" in out
+    both = "'bert.encoder.layer.0.intermediate.dense', 'bert.encoder.layer.0.output.dense'"
+    assert f"fp32_modules=[{both}]" in out
+    assert "Confirmed: rerun with these 2 FP32 islands, full AMP ran 1 step(s) finite" in out
+    saved = json.loads(report.read_text())
+    assert saved["fp32_modules"] == [
+        "bert.encoder.layer.0.intermediate.dense",
+        "bert.encoder.layer.0.output.dense",
+    ]
+    assert saved["fix_confirmed"] is True and saved["fix_check"]["first_bad_step"] is None
 
 
 def test_doctor_texts_without_a_saved_tokenizer_is_a_one_line_error(overflowing_model_dir, capsys):
