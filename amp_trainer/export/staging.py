@@ -196,10 +196,49 @@ def check_output_dir(target: Path, source: Path | None, overwrite: bool) -> None
         )
 
 
-def _files_of_earlier_export(folder: Path) -> set[str] | None:
-    """The file names ``folder/report.json`` says an earlier :func:`export_fp16` wrote."""
+def check_report_path(report: Path, source: Path | None, target: Path, overwrite: bool) -> None:
+    """Refuse a separate report path (the CLI's ``--report``) that could destroy anything.
+
+    The guards of the output folder, for one file: not in the source model folder (its
+    ``config.json`` is one name away), not in the output folder (the export replaces it and
+    writes its own ``report.json`` there), not a folder, and an existing file only with
+    ``overwrite`` and only when it is an earlier export's report. Called before the export runs,
+    so a refused path costs nothing.
+
+    Raises:
+        ValueError: one line saying why the path is refused and what would be valid.
+    """
+    report = report.resolve()
+    if source is not None and (report == source or source in report.parents):
+        raise ValueError(
+            f"{report} lies inside the source model folder {source}; writing it could replace "
+            "the model's own files. Write the report outside the model folder."
+        )
+    if report == target or target in report.parents:
+        raise ValueError(
+            f"{report} lies inside the output folder {target}, which the export replaces and "
+            "where it writes report.json itself. Choose a path outside it."
+        )
+    if not report.parent.is_dir():
+        raise ValueError(f"{report}: directory {report.parent} does not exist")
+    if report.is_dir():
+        raise ValueError(f"{report} is a folder; give a file path for the report")
+    if not report.exists():
+        return
+    if not overwrite:
+        raise ValueError(f"{report} already exists; pass --overwrite to replace an earlier report")
+    if _files_of_earlier_export(report.parent, report.name) is None:
+        raise ValueError(
+            f"{report} exists and is not a report an earlier export wrote; --overwrite replaces "
+            "only such a file. Choose another path."
+        )
+
+
+def _files_of_earlier_export(folder: Path, name: str = "report.json") -> set[str] | None:
+    """The file names ``folder/name`` (a report.json) says an earlier :func:`export_fp16`
+    wrote; ``None`` when it is not such a report."""
     try:
-        report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+        report = json.loads((folder / name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(report, dict) or not {"source", "parity", "files"} <= set(report):

@@ -359,3 +359,46 @@ def test_load_fp16_export_of_an_untouched_export_checks_and_loads(tmp_path, capl
     (out / "model.torchscript.pt").write_bytes(b"not read by load_fp16_export")
     model = load_fp16_export(out)
     assert next(model.parameters()).dtype == torch.float16
+
+
+# ---- --report PATH: the guards --output has ---------------------------------------------------
+def test_cli_report_into_the_source_model_folder_is_refused_and_config_json_survives(
+    source, tmp_path, capsys
+):
+    before = snapshot(source)
+    argv = ["export", "--model", str(source), "--output", str(tmp_path / "fp16")]
+    assert main([*argv, "--report", str(source / "config.json"), "--overwrite"]) == 2
+    line = error_line(capsys)
+    assert f"--report {source / 'config.json'}" in line and "inside the source model" in line
+    assert snapshot(source) == before and not (tmp_path / "fp16").exists()
+
+
+def test_cli_report_inside_the_output_folder_is_refused(source, tmp_path, capsys):
+    out = tmp_path / "fp16"
+    argv = ["export", "--model", str(source), "--output", str(out)]
+    assert main([*argv, "--report", str(out / "extra.json")]) == 2
+    assert "inside the output folder" in error_line(capsys)
+    assert not out.exists()
+
+
+def test_cli_report_over_a_users_file_is_refused_even_with_overwrite(source, tmp_path, capsys):
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"mine": true}')
+    argv = ["export", "--model", str(source), "--output", str(tmp_path / "fp16")]
+    assert main([*argv, "--report", str(mine)]) == 2
+    assert "already exists; pass --overwrite" in error_line(capsys)
+    assert main([*argv, "--report", str(mine), "--overwrite"]) == 2
+    assert "is not a report an earlier export wrote" in error_line(capsys)
+    assert mine.read_text() == '{"mine": true}' and not (tmp_path / "fp16").exists()
+
+
+def test_cli_report_replaces_an_earlier_report_with_overwrite(source, tmp_path, capsys):
+    report = tmp_path / "fp16-report.json"
+    argv = ["export", "--model", str(source), "--output", str(tmp_path / "fp16")]
+    assert main([*argv, "--report", str(report)]) == 0
+    first = json.loads(report.read_text())
+    assert main([*argv, "--report", str(report), "--overwrite", "--texts", "a b c"]) == 2
+    capsys.readouterr()  # texts without a tokenizer: refused, the report untouched
+    assert json.loads(report.read_text()) == first
+    assert main([*argv, "--report", str(report), "--overwrite", "--min-top1-agreement", "0.9"]) == 0
+    assert json.loads(report.read_text())["thresholds"]["min_top1_agreement"] == 0.9
