@@ -143,12 +143,6 @@ def test_gpt2_loss_is_not_reported_as_an_unrecognized_loss_type(gpt2_run):
     assert "loss_type" not in gpt2_run.output
 
 
-def test_gpt2_blocks_are_not_warned_about_as_padded_input_without_an_attention_mask(gpt2_run):
-    """The blocks are chunked from concatenated texts, never padded: the warning is false."""
-    assert "We strongly recommend passing in an `attention_mask`" not in gpt2_run.output
-    assert "sample before training" in gpt2_run.output  # the greedy samples ran (generate)
-
-
 def test_tokenizer_training_writes_no_blank_lines_into_a_pipe(gpt2_run):
     # The tokenizers trainer (tiny-gpt2's BPE, fresh cache) wrote three empty lines on stdout.
     assert "\n\n\n" not in gpt2_run.stdout and not gpt2_run.stdout.startswith("\n")
