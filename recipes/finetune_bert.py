@@ -176,6 +176,7 @@ def main(argv: list[str]) -> None:
         run.log_model_size(model)
 
     # ---- trainer; train, evaluate, save
+    run.settle_ddp(model)  # no search for unused parameters where none exist
     trainer = AmpTrainer(
         model=model,
         args=training_args,

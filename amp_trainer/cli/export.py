@@ -73,7 +73,12 @@ def add_parser(commands: Any) -> None:
     )
     export.add_argument("--force", action="store_true", help="write even if parity fails")
     export.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    export.add_argument("--report", metavar="PATH", help="also write report.json here")
+    export.add_argument(
+        "--report",
+        metavar="PATH",
+        help="also write report.json here (outside the model and output folders; an earlier "
+        "report is replaced only with --overwrite)",
+    )
     export.set_defaults(handler=run)
 
 
@@ -98,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         and (not output.is_dir() or any(output.iterdir()))
     ):
         raise UsageError(f"--output {args.output} exists and is not empty (use --overwrite)")
+    if args.report:
+        _check_report_path(args.report, source, target, args.overwrite)
     sample_inputs = None
     if args.sample_inputs:
         sample_inputs = load_sample_inputs(args.sample_inputs)
@@ -114,7 +121,21 @@ def run(args: argparse.Namespace) -> int:
         note = "written anyway (--force)" if report.written else "nothing was written"
         print(f"amp-trainer export: parity failed, {note}", file=sys.stderr)
         return EXIT_FAILED
+    if report.thin_evidence:  # the report above says it too; this line is what a log shows
+        reasons = "; ".join(report.thin_evidence)
+        print(f"amp-trainer export: PASSED on thin evidence: {reasons}", file=sys.stderr)
     return EXIT_OK
+
+
+def _check_report_path(path: str, source: Path | None, target: Path, overwrite: bool) -> None:
+    """``--report PATH`` with the guards ``--output`` has (see
+    :func:`amp_trainer.export.staging.check_report_path`), before anything runs."""
+    from amp_trainer.export.staging import check_report_path
+
+    try:
+        check_report_path(Path(path), source, target, overwrite)
+    except ValueError as err:
+        raise UsageError(f"--report {path}: {err}") from None
 
 
 def _export(args: argparse.Namespace, model: str, output: Path, sample_inputs: Any) -> Any:

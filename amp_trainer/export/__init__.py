@@ -94,6 +94,7 @@ from amp_trainer.export.parity import (
     output_only,
     pick_output,
     plain_forward,
+    thin_evidence,
 )
 from amp_trainer.export.sample_inputs import (
     DEFAULT_SAMPLE_TEXTS,
@@ -101,6 +102,7 @@ from amp_trainer.export.sample_inputs import (
     as_model_dtype,
     cannot_feed,
     check_sample_inputs,
+    describe_sample,
     forward_kwargs,
     main_input_name,
     make_sample_batch,
@@ -151,6 +153,16 @@ class ExportReport:
     #: the name of the one output tensor they return (``logits`` or ``last_hidden_state``).
     inputs: list[str] = field(default_factory=list)
     output: str = ""
+    #: ``{file name: hex SHA-256}`` of every file written but ``report.json``;
+    #: :func:`load_fp16_export` checks them before it loads anything.
+    sha256: dict[str, str] = field(default_factory=dict)
+    #: What parity ran on ("built-in English sentences", "your sample texts", ...) and how many
+    #: rows (sentences, images, clips) the batch had.
+    sample: str = ""
+    sample_rows: int = 0
+    #: Why the verdict rests on thin evidence, one sentence each: a stand-in for the user's
+    #: data, or too few compared positions for the top-1 threshold. Empty when neither holds.
+    thin_evidence: list[str] = field(default_factory=list)
 
     @property
     def size_ratio(self) -> float | None:
@@ -175,6 +187,8 @@ class ExportReport:
             if self.passed
             else ("FAILED (written anyway: force)" if self.forced else "FAILED")
         )
+        if self.thin_evidence:
+            verdict += " (on thin evidence: see below)"
         lines = [f"## FP16 export: {verdict}", "", f"- source: `{self.source}`"]
         where = self.output_dir if self.written else f"{self.output_dir} (nothing written)"
         lines.append(f"- output: `{where}`")
@@ -188,6 +202,12 @@ class ExportReport:
         if self.inputs:
             names = ", ".join(f"`{n}`" for n in self.inputs)
             lines.append(f"- inputs: {names}; output: `{self.output}`")
+        if self.parity:
+            positions = min(result.positions for result in self.parity.values())
+            lines.append(
+                f"- evidence: {positions} positions compared, from {self.sample_rows} rows of "
+                f"{self.sample}"
+            )
         lines.append(f"- norm layers kept FP32: {len(self.fp32_modules)}")
         guarded = ", ".join(f"`{n}`" for n in self.overflow_guarded_modules) or "none"
         lines.append(f"- kept FP32 by the overflow guard: {guarded}")
@@ -210,9 +230,17 @@ class ExportReport:
             )
         if self.failures:
             lines += ["", "Why it failed:"] + [f"- {reason}" for reason in self.failures]
+        if self.thin_evidence:
+            lines += ["", "Thin evidence:"] + [f"- {reason}" for reason in self.thin_evidence]
         if self.notes:
             lines += ["", "Notes:"] + [f"- {note}" for note in self.notes]
         return "\n".join(lines) + "\n"
+
+
+def _rows(inputs: Mapping[str, torch.Tensor]) -> int:
+    """The sample batch's size (its first tensor's first dimension)."""
+    first = next(iter(inputs.values()))
+    return int(first.shape[0]) if first.dim() else 1
 
 
 def _check_threshold(name: str, value: float | None, low: float, high: float) -> None:
@@ -337,6 +365,9 @@ def export_fp16(
         inputs = check_sample_inputs(source_model, sample_inputs)
     else:
         inputs = make_sample_batch(source_model, tokenizer, sample_texts, seed, processor)
+    sample, users_data = describe_sample(
+        source_model, tokenizer, sample_texts, sample_inputs, processor
+    )
     inputs = {
         name: tensor.to(device) for name, tensor in as_model_dtype(inputs, torch.float32).items()
     }
@@ -422,6 +453,8 @@ def export_fp16(
         notes=notes,
         inputs=list(inputs),
         output=output_name,
+        sample=sample,
+        sample_rows=_rows(inputs),
     )
     try:
         fp16.config.update(
@@ -453,6 +486,7 @@ def export_fp16(
             parity[fmt] = compare(fmt, output_name, reference, outputs, mask, thresholds)
         for result in parity.values():
             failures.extend(result.failures)
+        report.thin_evidence = thin_evidence(list(parity.values()), thresholds, sample, users_data)
         report.passed = not failures
         report.forced = not report.passed and force
         if report.passed or force:
@@ -460,8 +494,10 @@ def export_fp16(
             report.files = sorted(
                 [p.name for p in staging_dir.iterdir()] + ["report.json", "report.md"]
             )
-            write_text_atomic(staging_dir / "report.json", report.to_json())
             write_text_atomic(staging_dir / "report.md", report.to_markdown())
+            # Every file's digest but report.json's own: load_fp16_export checks them.
+            report.sha256 = staging.digests(staging_dir, skip=("report.json",))
+            write_text_atomic(staging_dir / "report.json", report.to_json())
             staging.install(staging_dir, target)
             logger.info("FP16 export written to %s", target)
         else:

@@ -30,6 +30,7 @@ import torch
 from torch.export import Dim
 
 from amp_trainer.export.parity import OutputOnly
+from amp_trainer.log_filters import dropping_messages
 
 #: Formats :func:`~amp_trainer.export.export_fp16` can write. safetensors is always written (it is
 #: what ``from_pretrained`` reloads); the others are extras.
@@ -45,6 +46,16 @@ class CaptureError(RuntimeError):
     tracer's reason and the model code it stopped at). The export records it as that format's
     failure instead of raising: the other formats' parity is still measured and reported."""
 
+
+# torch's ONNX exporter warns, on every export, that it skips four torchvision operators when
+# torchvision is not installed; no transformers model uses them.
+_ONNX_REGISTRY_LOGGER = "torch.onnx._internal.exporter._registration"
+_NO_TORCHVISION = "torchvision is not installed. Skipping torchvision::"
+# TorchScript's tracer reads every attribute of every submodule, including transformers'
+# ``loss_function`` property of a base model that has no head and so no loss (BertModel inside a
+# classifier): it warns that the causal-LM loss is the default, for a loss nothing computes.
+_TRANSFORMERS_MODELING_LOGGER = "transformers.modeling_utils"
+_DEFAULT_LOSS = "`loss_type=None` was set in the config but it is unrecognized."
 
 _WHERE = re.compile(r'File "([^"]+)", line (\d+)')
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -124,7 +135,10 @@ def export_torchscript(
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         # ...and tracing reads every attribute, deprecated transformers properties included.
         warnings.simplefilter("ignore", FutureWarning)
-        with capture_errors("torchscript", wrapper):
+        with (
+            capture_errors("torchscript", wrapper),
+            dropping_messages(_TRANSFORMERS_MODELING_LOGGER, _DEFAULT_LOSS),
+        ):
             traced = torch.jit.trace(wrapper, example_kwarg_inputs=dict(inputs), strict=False)
     # Serialise in memory, write from Python: torch's zip writer finishes the file in its C++
     # destructor, and a write error there (disk full) is an exception thrown from a destructor,
@@ -144,7 +158,11 @@ def export_onnx(
 ) -> torch.Tensor:
     import onnxruntime
 
-    with warnings.catch_warnings(), capture_errors("onnx", wrapper):
+    with (
+        warnings.catch_warnings(),
+        capture_errors("onnx", wrapper),
+        dropping_messages(_ONNX_REGISTRY_LOGGER, _NO_TORCHVISION),
+    ):
         warnings.simplefilter("ignore")
         torch.onnx.export(
             wrapper,

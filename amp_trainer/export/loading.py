@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_trainer.export.formats import FILE_NAMES
 from amp_trainer.export.guard import reinstate_fp32_islands
+from amp_trainer.export.staging import check_digests
 
 logger = logging.getLogger(__name__)
 
@@ -53,24 +55,62 @@ def load_model(
 def load_tokenizer(path_or_id: str | os.PathLike[str]) -> Any | None:
     """The tokenizer saved with the model, or ``None`` if there is none (random ids are used).
 
-    A local folder must hold tokenizer files: transformers 5 otherwise builds an *empty* tokenizer
-    from the model type (a BertTokenizer with only the 5 special tokens, mapping every word to
-    ``[UNK]``) rather than failing, and parity on all-``[UNK]`` inputs would measure nothing.
+    A local folder without tokenizer files gives ``None``. A folder *with* tokenizer files must
+    give a working tokenizer, else this raises: transformers 5 builds an *empty* tokenizer from a
+    ``tokenizer_config.json`` whose vocabulary file is gone (a BertTokenizer with only the 5
+    special tokens, mapping every word to ``[UNK]``) rather than failing, and a tokenizer the user
+    saved but that cannot be read is something to fix, not an absence: read as "no tokenizer",
+    the export would run parity on random ids, write no tokenizer and say PASSED.
+
+    Raises:
+        ValueError: one line naming the folder's tokenizer files and what is wrong with them.
     """
     from transformers import AutoTokenizer
 
     local = Path(path_or_id)
-    if local.is_dir() and not any((local / name).is_file() for name in _TOKENIZER_FILES):
+    present = [name for name in _TOKENIZER_FILES if (local / name).is_file()]
+    if local.is_dir() and not present:
         logger.info("No tokenizer files in %s; parity uses random token ids.", local)
         return None
     if local.is_dir():
         _check_tokenizer_files(local)
-
     try:
-        return AutoTokenizer.from_pretrained(path_or_id)
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        logger.info("No tokenizer at %s (%s); parity uses random token ids.", path_or_id, err)
-        return None
+        tokenizer = AutoTokenizer.from_pretrained(path_or_id)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        if not local.is_dir():
+            logger.info("No tokenizer at %s (%s); parity uses random token ids.", path_or_id, err)
+            return None
+        raise ValueError(
+            f"the tokenizer saved in {local} ({', '.join(present)}) does not load: "
+            f"{type(err).__name__}: {_first_line(err)}. {_RESTORE_TOKENIZER}"
+        ) from None
+    if local.is_dir():
+        _check_vocabulary(local, tokenizer, present)
+    return tokenizer
+
+
+# What every refusal of a saved tokenizer ends with: the two ways forward.
+_RESTORE_TOKENIZER = (
+    "Restore the tokenizer files from the training run (every checkpoint has them), or remove "
+    "them all to export with random-id parity"
+)
+
+
+def _check_vocabulary(folder: Path, tokenizer: Any, present: list[str]) -> None:
+    """Refuse a loaded tokenizer whose vocabulary is nothing but its special tokens.
+
+    That is what transformers builds from a ``tokenizer_config.json`` alone: every word of every
+    sample text becomes the unknown token, and parity on such inputs measures one embedding row.
+    """
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    size = len(tokenizer)
+    if size > len(special):
+        return
+    raise ValueError(
+        f"the tokenizer saved in {folder} ({', '.join(present)}) loads with no vocabulary: "
+        f"{size} ids, all special tokens, so every word is unknown (its vocabulary file, "
+        f"tokenizer.json or vocab.txt, is missing). {_RESTORE_TOKENIZER}"
+    )
 
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
@@ -98,22 +138,26 @@ def load_processor(path_or_id: str | os.PathLike[str]) -> Any | None:
 def _check_tokenizer_files(folder: Path) -> None:
     """Refuse a model folder whose tokenizer JSON files do not parse, naming the file.
 
-    Why: a truncated ``tokenizer.json`` made :func:`load_tokenizer` return ``None`` (it read as
-    "no tokenizer"), so the export ran parity on random ids, wrote no tokenizer and said PASSED.
-    A tokenizer the user saved and that cannot be read is an error to fix, not an absence.
+    A truncated or emptied file is named here in one line; transformers would otherwise fail
+    deep inside the tokenizers library (``KeyError: 'added_tokens'`` for a ``tokenizer.json``
+    of ``{}``) or build an empty tokenizer.
     """
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         file = folder / name
         if not file.is_file():
             continue
         try:
-            json.loads(file.read_text(encoding="utf-8"))
+            data = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as err:
             raise ValueError(
-                f"{file} is unreadable ({_first_line(err)}): truncated or not JSON. Restore it "
-                "from the training run (it is in every checkpoint), or remove the tokenizer files "
-                "to export with random-id parity."
+                f"{file} is unreadable ({_first_line(err)}): truncated or not JSON. "
+                f"{_RESTORE_TOKENIZER}."
             ) from None
+        if name == "tokenizer.json" and not (isinstance(data, dict) and "model" in data):
+            raise ValueError(
+                f"{file} is not a tokenizers file: it has no 'model' section (its vocabulary). "
+                f"{_RESTORE_TOKENIZER}."
+            )
 
 
 def _first_line(err: BaseException) -> str:
@@ -121,17 +165,29 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def load_fp16_export(path: str | os.PathLike[str], model_class: Any | None = None) -> nn.Module:
+def load_fp16_export(
+    path: str | os.PathLike[str], model_class: Any | None = None, *, verify: bool = True
+) -> nn.Module:
     """Reload an :func:`export_fp16` folder exactly as it was measured.
 
     ``from_pretrained(path, dtype=torch.float16)`` casts every tensor to FP16; this then restores
     the modules the export kept in FP32 (their FP32 weights are in the safetensors file) and
     makes them FP32 islands again (:func:`~amp_trainer.islands.keep_in_fp32`), so outputs
     match the parity report.
+
+    With ``verify`` (the default), every file the export wrote is first checked against the
+    SHA-256 its ``report.json`` recorded (the other formats' files aside, which this does not
+    read): a weight that changed on disk since (a flipped bit, a half-finished copy) would
+    load without complaint and compute something the parity report never measured.
+
+    Raises:
+        ValueError: one line naming a file that is missing or does not match its digest.
     """
     from safetensors import safe_open
 
     path = Path(path)
+    if verify:
+        check_digests(path, skip=tuple(FILE_NAMES.values()))
     if model_class is None:
         model = load_model(path, dtype=torch.float16)
     else:

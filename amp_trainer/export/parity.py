@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import keyword
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -209,3 +210,62 @@ def compare(
         passed=not failures,
         failures=tuple(failures),
     )
+
+
+#: The top-1 agreement a verdict's sample size is judged against when the export checks none
+#: (hidden-state outputs, ``min_top1_agreement=None`` or 1): the default threshold's.
+_DEFAULT_TOP1 = 0.98
+
+
+def positions_needed(min_top1_agreement: float | None) -> int:
+    """How many compared positions can show a top-1 agreement of ``min_top1_agreement``.
+
+    By the rule of three, no disagreement among ``n`` positions bounds the disagreement rate
+    below ``3 / n`` at 95% confidence, so showing it is below ``1 - min_top1_agreement`` takes
+    ``n >= 3 / (1 - min_top1_agreement)``: 150 positions for 0.98.
+    """
+    level = min_top1_agreement
+    if level is None or not 0.0 < level < 1.0:
+        level = _DEFAULT_TOP1
+    return math.ceil(3.0 / (1.0 - level) - 1e-9)
+
+
+def thin_evidence(
+    results: Sequence[ParityResult],
+    thresholds: Mapping[str, float | None],
+    sample: str,
+    users_data: bool,
+) -> list[str]:
+    """Why a parity verdict on ``results`` says little, one sentence per reason; ``[]`` if none.
+
+    Two reasons: the batch is not the user's data (``sample`` says what it is), and fewer
+    positions were compared than :func:`positions_needed` for the top-1 threshold in force.
+    """
+    reasons = []
+    if not users_data:
+        reasons.append(
+            f"parity ran on {sample}, not on your data: pass texts from it (sample_texts=, "
+            "--texts) or a batch of its inputs (sample_inputs=, --sample-inputs)"
+        )
+    if not results:
+        return reasons
+    positions = min(result.positions for result in results)
+    top1 = thresholds.get("min_top1_agreement")
+    needed = positions_needed(top1)
+    if positions >= needed:
+        return reasons
+    checked = top1 is not None and 0.0 < top1 < 1.0
+    if checked and all(result.top1_agreement is not None for result in results):
+        bound = min(3.0 / positions, 1.0) if positions else 1.0
+        reasons.append(
+            f"{positions} positions compared: even with no top-1 disagreement among them, a "
+            f"disagreement rate up to {bound:.0%} is not ruled out (95%), against the "
+            f"{1.0 - top1:.0%} that min_top1_agreement={top1} allows; {needed} positions "
+            "would rule it out"
+        )
+    else:
+        reasons.append(
+            f"{positions} positions compared, fewer than {needed}: the error figures come "
+            "from a small sample"
+        )
+    return reasons

@@ -304,6 +304,30 @@ def _decoder_ids(
     return decoder
 
 
+def describe_sample(
+    model: nn.Module,
+    tokenizer: Any | None,
+    texts: Sequence[str] | None,
+    sample_inputs: Mapping[str, torch.Tensor] | None,
+    processor: Any | None,
+) -> tuple[str, bool]:
+    """What the sample batch :func:`make_sample_batch` (or the caller) made is, in words, and
+    whether it is the user's own data (their texts or tensors) rather than a stand-in for it."""
+    if sample_inputs is not None:
+        return "your sample_inputs", True
+    main = main_input_name(model)
+    if main == "input_ids":
+        if tokenizer is None:
+            return "random token ids (no tokenizer)", False
+        if texts:
+            return "your sample texts", True
+        return "built-in English sentences", False
+    if main == "pixel_values":
+        through = " through the saved image processor" if processor is not None else ""
+        return f"random images{through}", False
+    return "random audio", False
+
+
 def check_sample_inputs(model: nn.Module, sample_inputs: Any) -> dict[str, torch.Tensor]:
     """The user's ``sample_inputs=``, checked: a mapping of the forward's keyword names to
     tensors (the exported formats take them under these names, in this order)."""

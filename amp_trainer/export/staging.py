@@ -9,12 +9,14 @@ output folder is replaced only when an earlier export wrote every file in it.
 from __future__ import annotations
 
 import errno
-import glob
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 
 from torch import nn
@@ -58,11 +60,19 @@ def fp32_bytes(model: nn.Module) -> int:
 # Hidden siblings of the output folder while an export runs: ``.NAME.tmp-PID-XXXXXXXX`` is the
 # staging folder being written, ``.NAME.old-PID-XXXXXXXX`` the previous export moved aside for the
 # instant between the two renames of install(). The PID says whether their writer is still alive.
+# Only a name of exactly this shape (8 lowercase hex digits from uuid4) is ever taken for a
+# leftover: a user's ``.NAME.old-backup/`` beside the output is theirs, not ours to delete.
 _STAGING, _TRASH = "tmp", "old"
 
 
 def _sibling(target: Path, kind: str) -> Path:
     return target.with_name(f".{target.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _leftover_name(target: Path) -> re.Pattern[str]:
+    """The names :func:`_sibling` gives ``target``'s staging and moved-aside folders."""
+    kinds = "|".join((_STAGING, _TRASH))
+    return re.compile(rf"\.{re.escape(target.name)}\.(?P<kind>{kinds})-(?P<pid>\d+)-[0-9a-f]{{8}}")
 
 
 def new_staging_folder(target: Path) -> Path:
@@ -72,12 +82,9 @@ def new_staging_folder(target: Path) -> Path:
     return staging
 
 
-def _writer_alive(folder: Path) -> bool:
-    """Whether the process that named ``folder`` still runs (then it is not stale)."""
-    parts = folder.name.rsplit("-", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
-        return False  # an older export's mkdtemp name: no PID, left by a dead run
-    pid = int(parts[1])
+def _writer_alive(pid: int) -> bool:
+    """Whether the export process ``pid`` that named a leftover still runs (then it is not
+    stale)."""
     if pid == os.getpid():
         return False  # our own leftovers from an earlier call in this process
     try:
@@ -94,26 +101,39 @@ def clean_stale_staging(target: Path) -> list[str]:
 
     A staging folder of a dead export is deleted. A previous export that was moved aside when
     the export died (between the two renames of :func:`install`) is put back if ``target`` is
-    missing, else deleted.
+    missing, else deleted. Only folders named as :func:`_sibling` names them are touched, and a
+    moved-aside folder only when it is empty or an earlier export (its ``report.json`` lists
+    every file in it).
     """
     notes: list[str] = []
     if not target.parent.is_dir():
         return notes
-    name = glob.escape(f".{target.name}")
-    for kind in (_TRASH, _STAGING):
-        for folder in sorted(target.parent.glob(f"{name}.{kind}-*")):
-            if not folder.is_dir() or _writer_alive(folder):
-                continue
-            if kind == _TRASH and not target.exists():
-                os.replace(folder, target)
-                note = f"restored the previous export {target} from {folder.name}, which an "
-                note += "interrupted export had moved aside"
-            else:
-                shutil.rmtree(folder, ignore_errors=True)
-                note = f"removed {folder}, left behind by an interrupted export"
-            logger.warning("%s", note)
-            notes.append(note)
+    pattern = _leftover_name(target)
+    leftovers = []
+    for folder in sorted(target.parent.iterdir()):
+        match = pattern.fullmatch(folder.name)
+        if match and folder.is_dir() and not _writer_alive(int(match["pid"])):
+            leftovers.append((match["kind"], folder))
+    # Moved-aside exports first: one may have to be put back before staging folders go.
+    for kind, folder in sorted(leftovers, key=lambda item: item[0] != _TRASH):
+        if kind == _TRASH and not _is_earlier_export_or_empty(folder):
+            continue
+        if kind == _TRASH and not target.exists():
+            os.replace(folder, target)
+            note = f"restored the previous export {target} from {folder.name}, which an "
+            note += "interrupted export had moved aside"
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            note = f"removed {folder}, left behind by an interrupted export"
+        logger.warning("%s", note)
+        notes.append(note)
     return notes
+
+
+def _is_earlier_export_or_empty(folder: Path) -> bool:
+    entries = {entry.name for entry in folder.iterdir()}
+    written = _files_of_earlier_export(folder)
+    return not entries or (written is not None and entries <= written)
 
 
 def install(staging: Path, target: Path) -> None:
@@ -176,10 +196,49 @@ def check_output_dir(target: Path, source: Path | None, overwrite: bool) -> None
         )
 
 
-def _files_of_earlier_export(folder: Path) -> set[str] | None:
-    """The file names ``folder/report.json`` says an earlier :func:`export_fp16` wrote."""
+def check_report_path(report: Path, source: Path | None, target: Path, overwrite: bool) -> None:
+    """Refuse a separate report path (the CLI's ``--report``) that could destroy anything.
+
+    The guards of the output folder, for one file: not in the source model folder (its
+    ``config.json`` is one name away), not in the output folder (the export replaces it and
+    writes its own ``report.json`` there), not a folder, and an existing file only with
+    ``overwrite`` and only when it is an earlier export's report. Called before the export runs,
+    so a refused path costs nothing.
+
+    Raises:
+        ValueError: one line saying why the path is refused and what would be valid.
+    """
+    report = report.resolve()
+    if source is not None and (report == source or source in report.parents):
+        raise ValueError(
+            f"{report} lies inside the source model folder {source}; writing it could replace "
+            "the model's own files. Write the report outside the model folder."
+        )
+    if report == target or target in report.parents:
+        raise ValueError(
+            f"{report} lies inside the output folder {target}, which the export replaces and "
+            "where it writes report.json itself. Choose a path outside it."
+        )
+    if not report.parent.is_dir():
+        raise ValueError(f"{report}: directory {report.parent} does not exist")
+    if report.is_dir():
+        raise ValueError(f"{report} is a folder; give a file path for the report")
+    if not report.exists():
+        return
+    if not overwrite:
+        raise ValueError(f"{report} already exists; pass --overwrite to replace an earlier report")
+    if _files_of_earlier_export(report.parent, report.name) is None:
+        raise ValueError(
+            f"{report} exists and is not a report an earlier export wrote; --overwrite replaces "
+            "only such a file. Choose another path."
+        )
+
+
+def _files_of_earlier_export(folder: Path, name: str = "report.json") -> set[str] | None:
+    """The file names ``folder/name`` (a report.json) says an earlier :func:`export_fp16`
+    wrote; ``None`` when it is not such a report."""
     try:
-        report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+        report = json.loads((folder / name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(report, dict) or not {"source", "parity", "files"} <= set(report):
@@ -202,3 +261,64 @@ def check_free_space(folder: Path, needed: int) -> None:
             f"no space left on device for the FP16 export in {folder}: it needs about "
             f"{human_bytes(needed)}, {human_bytes(free)} free",
         )
+
+
+def sha256_of(file: Path) -> str:
+    """The hex SHA-256 of ``file``, read in 1 MiB blocks (weights files can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def digests(folder: Path, skip: Collection[str] = ()) -> dict[str, str]:
+    """``{file name: sha256}`` of every file in ``folder`` but ``skip`` (``report.json``, which
+    holds them)."""
+    return {
+        p.name: sha256_of(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in skip
+    }
+
+
+def check_digests(folder: Path, skip: Collection[str] = ()) -> int:
+    """Check every file ``folder/report.json`` records a SHA-256 for (but ``skip``) against it.
+
+    Returns the number of files checked; 0 when there is no ``report.json`` or it records no
+    digests (nothing to check against: that is logged).
+
+    Raises:
+        ValueError: one line naming the first file that is missing or whose bytes changed since
+            the export wrote it, or a ``report.json`` that does not read.
+    """
+    report_file = folder / "report.json"
+    if not report_file.is_file():
+        logger.info("%s has no report.json: its files' integrity is not checked", folder)
+        return 0
+    try:
+        report = json.loads(report_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{report_file} is unreadable ({err}): truncated or not JSON") from None
+    recorded = report.get("sha256") if isinstance(report, dict) else None
+    if not isinstance(recorded, dict):
+        logger.info("%s records no sha256 digests: its files are not checked", report_file)
+        return 0
+    checked = 0
+    for name, expected in sorted(recorded.items()):
+        if name in skip:
+            continue
+        if not isinstance(name, str) or Path(name).name != name or not isinstance(expected, str):
+            raise ValueError(f"{report_file}: {name!r} is not a file name of the export folder")
+        file = folder / name
+        if not file.is_file():
+            raise ValueError(
+                f"{file} is missing: the export wrote it (report.json records its sha256); "
+                "restore the folder or export again"
+            )
+        if sha256_of(file) != expected:
+            raise ValueError(
+                f"{file} does not match the sha256 report.json recorded when the export wrote "
+                "it: the file was damaged or changed since. Export again, or restore the folder "
+                "(load_fp16_export(..., verify=False) loads it as it is)"
+            )
+        checked += 1
+    return checked

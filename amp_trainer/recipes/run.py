@@ -38,6 +38,7 @@ from transformers import HfArgumentParser
 
 from amp_trainer import AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
+from amp_trainer.log_filters import dropping_messages
 from amp_trainer.recipes.arguments import SharedDataArguments, SharedModelArguments
 from amp_trainer.recipes.config import (
     RunArguments,
@@ -83,6 +84,13 @@ if TYPE_CHECKING:
 
 __all__ = ["RecipeRun", "SharedDataArguments", "SharedModelArguments", "apply_sample_limits"]
 
+
+#: The recipes' model classes whose every trainable parameter gets a gradient in each training
+#: step: the BERT recipe's classifier (tiny-bert, the offline MiniLM, bert-base-uncased) and the
+#: GPT-2 recipe's LM (tiny-gpt2, gpt2). See RecipeRun.settle_ddp.
+ALL_PARAMETERS_USED = ("BertForSequenceClassification", "GPT2LMHeadModel")
+# transformers' warning about input ids that hold the pad id without an attention mask.
+_NO_ATTENTION_MASK = "We strongly recommend passing in an `attention_mask`"
 
 # The training arguments recorded in metrics.json next to the results they produced.
 _TRAINING_KEYS = (
@@ -230,6 +238,13 @@ class RecipeRun:
         release(self.held_logs)
         transformers.set_seed(args.seed)
         self._output.enter_context(recipe_output(disable_tqdm=bool(args.disable_tqdm)))
+        if count_input_tokens == "all":
+            # Every token is real: the texts are concatenated and chunked into full blocks, no
+            # block is padded. transformers still says "We strongly recommend passing in an
+            # `attention_mask`" because the blocks hold the pad id (the eos id between texts).
+            self._output.enter_context(
+                dropping_messages("transformers.modeling_utils", _NO_ATTENTION_MASK)
+            )
         no_pin_memory_on_cpu(args)
         log = logging.getLogger(self.name)
         log.info(
@@ -252,6 +267,23 @@ class RecipeRun:
         now = time.perf_counter()
         self.phase_seconds[name] = round(now - self._phase_start, 2)
         self._phase_start = now
+
+    def settle_ddp(self, model: Any) -> None:
+        """Tell DDP the model has no unused parameters when it is a class verified to have
+        none, unless the user set ``ddp_find_unused_parameters``; call before the Trainer.
+
+        transformers asks DDP to search for unused parameters on every step by default, which
+        costs a traversal of the autograd graph per step and makes every rank warn that it
+        found none. Each class in :data:`ALL_PARAMETERS_USED` gives every trainable parameter
+        a gradient in a training step (``tests/recipes/test_recipe_ddp.py`` checks it for each
+        recipe's model, with and without LoRA), so the search is switched off for them.
+        """
+        args = self.training_args
+        if args.ddp_find_unused_parameters is not None:
+            return
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if type(base).__name__ in ALL_PARAMETERS_USED:
+            args.ddp_find_unused_parameters = False
 
     def log_model_size(self, model: Any) -> None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("model")
     (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    BertTokenizerFast(vocab=str(folder / "vocab.txt")).save_pretrained(folder)
     make_tiny_bert().save_pretrained(folder)
     return folder
 

@@ -115,7 +115,7 @@ def test_a_model_that_is_not_a_causal_lm_is_a_one_line_error(tmp_path, capsys):
     from transformers import BertTokenizerFast
 
     (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a"]))
-    BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    BertTokenizerFast(vocab=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
     make_tiny_bert().save_pretrained(tmp_path)
     assert main(["mismatch", "--model", str(tmp_path), "--texts", "a a a"]) == 2
     assert "BertForSequenceClassification is not a causal language model" in one_line_error(capsys)

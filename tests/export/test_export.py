@@ -50,7 +50,7 @@ def tokenizer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vocab")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    return BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    return BertTokenizerFast(vocab=str(folder / "vocab.txt"))
 
 
 def overflowing_bert():

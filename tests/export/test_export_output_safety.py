@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from amp_trainer.cli import main
 from amp_trainer.export import export_fp16
@@ -287,3 +288,117 @@ def test_cli_debug_prints_the_traceback_of_an_error(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "cannot load a model from" in err
+
+
+# ---- names only the exporter makes ------------------------------------------------------------
+@pytest.mark.parametrize("name", [".fp16.old-backup", ".fp16.tmp-mine", ".fp16.old-123-notours"])
+def test_overwrite_leaves_a_users_own_hidden_folder_beside_the_target_alone(tmp_path, name):
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(seed=0), out)
+    mine = tmp_path / name
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"my own backup")
+    report = export_fp16(make_tiny_gpt2(seed=1), out, overwrite=True)
+    assert report.written and (mine / "model.safetensors").read_bytes() == b"my own backup"
+    assert not any("interrupted export" in note for note in report.notes)
+
+
+def test_a_folder_named_like_a_moved_aside_export_but_holding_other_files_is_not_restored(
+    tmp_path,
+):
+    look_alike = tmp_path / f".fp16.old-{2**22 + 7}-0123abcd"  # no such PID: a dead writer
+    look_alike.mkdir()
+    (look_alike / "notes.txt").write_text("mine")
+    export_fp16(make_tiny_gpt2(), tmp_path / "fp16")
+    assert (look_alike / "notes.txt").read_text() == "mine"
+
+
+# ---- digests: report.json records every file's sha256, load_fp16_export checks them -----------
+def test_report_records_the_sha256_of_every_file_it_wrote_but_itself(tmp_path):
+    import hashlib
+
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(), out, formats=("pt2",))
+    recorded = json.loads((out / "report.json").read_text())["sha256"]
+    on_disk = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()}
+    del on_disk["report.json"]
+    assert recorded == on_disk and "model.safetensors" in recorded and "model.pt2" in recorded
+
+
+def test_load_fp16_export_refuses_a_weights_file_with_one_flipped_bit_naming_it(tmp_path):
+    from amp_trainer.export import load_fp16_export
+
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(), out)
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one weight: a valid file, a different model
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="does not match the sha256") as info:
+        load_fp16_export(out)
+    assert str(info.value).startswith(f"{weights} does not match") and "\n" not in str(info.value)
+    model = load_fp16_export(out, verify=False)  # the way to load it as it is, said in the line
+    assert model is not None
+
+
+def test_load_fp16_export_refuses_a_missing_file_the_export_wrote(tmp_path):
+    from amp_trainer.export import load_fp16_export
+
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(), out)
+    (out / "generation_config.json").unlink()
+    with pytest.raises(ValueError, match=r"generation_config.json is missing"):
+        load_fp16_export(out)
+
+
+def test_load_fp16_export_of_an_untouched_export_checks_and_loads(tmp_path, caplog):
+    from amp_trainer.export import load_fp16_export
+
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(), out, formats=("torchscript",))
+    (out / "model.torchscript.pt").write_bytes(b"not read by load_fp16_export")
+    model = load_fp16_export(out)
+    assert next(model.parameters()).dtype == torch.float16
+
+
+# ---- --report PATH: the guards --output has ---------------------------------------------------
+def test_cli_report_into_the_source_model_folder_is_refused_and_config_json_survives(
+    source, tmp_path, capsys
+):
+    before = snapshot(source)
+    argv = ["export", "--model", str(source), "--output", str(tmp_path / "fp16")]
+    assert main([*argv, "--report", str(source / "config.json"), "--overwrite"]) == 2
+    line = error_line(capsys)
+    assert f"--report {source / 'config.json'}" in line and "inside the source model" in line
+    assert snapshot(source) == before and not (tmp_path / "fp16").exists()
+
+
+def test_cli_report_inside_the_output_folder_is_refused(source, tmp_path, capsys):
+    out = tmp_path / "fp16"
+    argv = ["export", "--model", str(source), "--output", str(out)]
+    assert main([*argv, "--report", str(out / "extra.json")]) == 2
+    assert "inside the output folder" in error_line(capsys)
+    assert not out.exists()
+
+
+def test_cli_report_over_a_users_file_is_refused_even_with_overwrite(source, tmp_path, capsys):
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"mine": true}')
+    argv = ["export", "--model", str(source), "--output", str(tmp_path / "fp16")]
+    assert main([*argv, "--report", str(mine)]) == 2
+    assert "already exists; pass --overwrite" in error_line(capsys)
+    assert main([*argv, "--report", str(mine), "--overwrite"]) == 2
+    assert "is not a report an earlier export wrote" in error_line(capsys)
+    assert mine.read_text() == '{"mine": true}' and not (tmp_path / "fp16").exists()
+
+
+def test_cli_report_replaces_an_earlier_report_with_overwrite(source, tmp_path, capsys):
+    report = tmp_path / "fp16-report.json"
+    argv = ["export", "--model", str(source), "--output", str(tmp_path / "fp16")]
+    assert main([*argv, "--report", str(report)]) == 0
+    first = json.loads(report.read_text())
+    assert main([*argv, "--report", str(report), "--overwrite", "--texts", "a b c"]) == 2
+    capsys.readouterr()  # texts without a tokenizer: refused, the report untouched
+    assert json.loads(report.read_text()) == first
+    assert main([*argv, "--report", str(report), "--overwrite", "--min-top1-agreement", "0.9"]) == 0
+    assert json.loads(report.read_text())["thresholds"]["min_top1_agreement"] == 0.9
