@@ -48,7 +48,7 @@ def test_a_rank_killed_mid_save_leaves_a_checkpoint_marked_incomplete(torn):
 def test_a_torn_checkpoint_without_the_marker_is_incomplete_naming_the_ranks_file(torn):
     # As one saved by a version without the marker is: the rank's missing file is named.
     _, _, _, kept, _ = torn
-    (kept / INCOMPLETE_MARKER).unlink()
+    (kept / INCOMPLETE_MARKER).unlink(missing_ok=True)
     assert why_incomplete(kept) == "no rng_state_1.pth"
 
 
