@@ -86,14 +86,14 @@ def why_incomplete(folder: str | os.PathLike[str]) -> str | None:
     See the module doc for the rule; the reason names the files, as the warnings say them.
     """
     folder = Path(folder)
+    reasons = []
     if (folder / INCOMPLETE_MARKER).is_file():
-        return f"it holds {INCOMPLETE_MARKER}"
-    if not (folder / TRAINER_STATE_FILE).is_file():
-        return f"no {TRAINER_STATE_FILE}"
-    missing = missing_rank_files(folder)
+        reasons.append(f"it holds {INCOMPLETE_MARKER}")
+    missing = [] if (folder / TRAINER_STATE_FILE).is_file() else [TRAINER_STATE_FILE]
+    missing += missing_rank_files(folder)
     if missing:
-        return "no " + ", ".join(missing)
-    return None
+        reasons.append("no " + ", ".join(missing))
+    return "; ".join(reasons) or None
 
 
 def last_complete_checkpoint(folder: str | os.PathLike[str], *, warn: bool = True) -> str | None:

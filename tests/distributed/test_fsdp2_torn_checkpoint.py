@@ -1,9 +1,9 @@
 """An FSDP2 rank killed mid-save: the checkpoint says it is incomplete, and a resume skips it.
 
 Two launches of workers/fsdp2_torn_checkpoint.py (two gloo ranks on Accelerate's FSDP2 path):
-rank 1 SIGKILLed in checkpoint-4's save after rank 0 wrote ``trainer_state.json``, then the run
-resumed with ``resume_from_checkpoint=True`` and its final checkpoint resumed once more with the
-same ``max_steps``.
+rank 1 SIGKILLed in checkpoint-4's save after rank 0 wrote ``trainer_state.json``, then that
+checkpoint resumed by path, the run resumed with ``resume_from_checkpoint=True``, and its final
+checkpoint resumed once more with the same ``max_steps``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_a_rank_killed_mid_save_leaves_a_checkpoint_marked_incomplete(torn):
     assert {"trainer_state.json", "rng_state_0.pth"} <= set(files)
     assert "rng_state_1.pth" not in files
     assert INCOMPLETE_MARKER in files  # removed only after every rank wrote its part
-    assert why_incomplete(kept) == f"it holds {INCOMPLETE_MARKER}"
+    assert why_incomplete(kept) == f"it holds {INCOMPLETE_MARKER}; no rng_state_1.pth"
 
 
 def test_a_torn_checkpoint_without_the_marker_is_incomplete_naming_the_ranks_file(torn):
@@ -58,11 +58,23 @@ def test_resume_true_skips_the_torn_checkpoint_on_every_rank_and_names_what_it_l
         skipped = [w for w in rank["resume_warnings"] if "is incomplete" in w]
         assert skipped == [
             f"{out / 'run' / 'checkpoint-4'} is incomplete (it holds {INCOMPLETE_MARKER}; "
-            f"interrupted while saving?): skipped; the last complete one is "
+            "no rng_state_1.pth; interrupted while saving?): skipped; the last complete one is "
             f"{out / 'run' / 'checkpoint-2'}"
         ]
         assert rank["resumed_steps"] == [3, 4, 5, 6]  # from checkpoint-2, not the torn one
         assert rank["resumed_global_step"] == 6
+
+
+def test_the_torn_checkpoint_resumed_by_path_is_one_warning_naming_the_missing_file(torn):
+    out, _, _, _, ranks = torn
+    for rank in ranks:
+        said = [w for w in rank["explicit_warnings"] if "which is incomplete" in w]
+        assert said == [
+            f"Resuming {out / 'run' / 'checkpoint-4'}, which is incomplete (it holds "
+            f"{INCOMPLETE_MARKER}; no rng_state_1.pth; interrupted while saving?): the resumed "
+            "run differs from the interrupted one (the ranks without their files start with "
+            f"other state). The last complete checkpoint is {out / 'run' / 'checkpoint-2'}."
+        ]
 
 
 def test_fsdp2_resuming_the_final_checkpoint_restores_its_loss_scaler(torn):

@@ -8,7 +8,8 @@ at the worst moment: its sharded model and optimizer are written, its ``rng_stat
 and rank 0 has already written ``trainer_state.json`` (rank 1 waits for that file, then kills
 itself: without the wait the race is won only about one time in two).
 
-``resume``: a fresh trainer on the same folder, ``train(resume_from_checkpoint=True)``, then
+``resume``: the torn checkpoint resumed by path (into another folder), a fresh trainer on the
+run's folder with ``train(resume_from_checkpoint=True)``, then
 another resuming the final checkpoint-6 with the same ``max_steps`` ("nothing to train") and a
 different ``loss_scale_init``. Each rank writes ``rank<N>.json``: the warnings, the steps each
 run trained and the scaler states.
@@ -105,10 +106,16 @@ def main() -> None:
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("amp_trainer").addHandler(handler)
 
+    explicit = trainer(out_dir / "explicit")
+    explicit.train(resume_from_checkpoint=str(run_dir / f"checkpoint-{KILL_STEP}"))
+    explicit_warnings = list(warnings)
+    warnings.clear()
+
     resumed = trainer(run_dir)
     resumed.train(resume_from_checkpoint=True)
     trained = next(c for c in resumed.callback_handler.callbacks if isinstance(c, StepsTrained))
     result = {
+        "explicit_warnings": explicit_warnings,
         "resume_warnings": list(warnings),
         "resumed_steps": trained.steps,
         "resumed_global_step": resumed.state.global_step,
