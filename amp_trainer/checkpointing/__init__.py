@@ -9,7 +9,10 @@ Stock ``Trainer`` saves ``scaler.pt`` (which holds our scaler's whole state) and
   resumed run can tell what changed and report all of its steps;
 * resuming a finished run (the checkpoint of its last step) trains nothing and returns the run's
   final metrics, where stock ``train`` trains one more step every time;
-* a full disk is one ``OSError(ENOSPC)`` naming the checkpoint, without a half-written folder;
+* a full disk is one ``OSError(ENOSPC)`` naming the checkpoint, without a half-written folder
+  (under FSDP2 too, on every rank);
+* a save marks its folder incomplete until every rank wrote its part, and
+  ``resume_from_checkpoint=True`` skips incomplete ones, naming what each lacks;
 * ``save_total_limit`` rotation spares the checkpoints of another run found in ``output_dir``
   (all of them when the checkpoint resumed is another folder's), and another run's
   ``checkpoint-N`` of the step being saved is moved to ``previous-run-checkpoints/``, not
@@ -28,6 +31,9 @@ its own module:
 
 - :mod:`~amp_trainer.checkpointing.layout`: what a checkpoint folder holds (stock's file names,
   :data:`AMP_STATE_FILE`);
+- :mod:`~amp_trainer.checkpointing.completeness`: whether a checkpoint folder is whole (the
+  in-progress marker, each rank's files), the rule ``resume_from_checkpoint=True`` and the
+  recipes apply;
 - :mod:`~amp_trainer.checkpointing.resume`: resume auditing (:class:`ResumeAudit`: a finished
   run, missing or foreign state, the scaler's state and the arguments it overrides);
 - :mod:`~amp_trainer.checkpointing.saving`: saving (:class:`CheckpointSaver`: the amp state,

@@ -30,6 +30,11 @@ from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from amp_trainer.atomic_files import is_disk_full
+from amp_trainer.checkpointing.completeness import (
+    last_complete_checkpoint,
+    missing_rank_files,
+    why_incomplete,
+)
 from amp_trainer.checkpointing.layout import (
     AMP_STATE_FILE,
     OPTIMIZER_FILE,
@@ -60,11 +65,25 @@ class ResumeAudit:
         self.missing_state: list[str] = []  # training-state files the resumed checkpoint lacks
 
     def resolve(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
-        """The checkpoint ``train`` resumes from: ``True`` is output_dir's latest, if any."""
-        if resume_from_checkpoint is True:
-            # Stock train() raises when there is none: left to it.
-            return get_last_checkpoint(self.trainer.args.output_dir) or True
-        return resume_from_checkpoint
+        """The checkpoint ``train`` resumes from: ``True`` is output_dir's latest complete one.
+
+        Stock takes the highest ``checkpoint-N`` whatever it holds, so a save stopped half-way
+        (a killed rank, a preemption) is resumed and dies on its missing files, or resumes with
+        one rank's state missing. Incomplete ones are skipped with a warning naming what each
+        lacks (:func:`~amp_trainer.checkpointing.completeness.last_complete_checkpoint`, the
+        recipes' rule too); when every one is incomplete, a ``ValueError`` says so.
+        """
+        if resume_from_checkpoint is not True:
+            return resume_from_checkpoint
+        folder = self.trainer.args.output_dir
+        last = last_complete_checkpoint(folder)
+        if last is None and os.path.isdir(folder) and get_last_checkpoint(folder) is not None:
+            raise ValueError(
+                f"resume_from_checkpoint=True: no checkpoint in {folder} is complete (the "
+                "warnings above name what each lacks); pass resume_from_checkpoint=PATH or start "
+                "a new run"
+            )
+        return last or True  # none at all: stock train() raises its own error
 
     def finished_run(
         self, checkpoint: str | bool | None, load: Callable[[str], None]
@@ -108,7 +127,7 @@ class ResumeAudit:
         # Stock train() restores stateful callbacks (EarlyStoppingCallback, ...) from the state
         # (if restore_callback_states_from_checkpoint); so does a finished run here.
         trainer._load_callback_state()
-        self.restore_scale_history(Path(checkpoint))
+        trainer._load_scaler(checkpoint)  # the final loss scale is the checkpoint's, not init's
         final = next((e for e in reversed(state.log_history) if "train_loss" in e), {})
         metrics = {k: v for k, v in final.items() if k.startswith("train_") or k == "total_flos"}
         return TrainOutput(state.global_step, final.get("train_loss", float("nan")), metrics)
@@ -156,7 +175,11 @@ class ResumeAudit:
             return
         trainer = self.trainer
         folder = Path(checkpoint)
-        if not folder.is_dir() or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        if not folder.is_dir():
+            return
+        if self._report_incomplete(folder):
+            return
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
             return
         scaler = trainer.loss_scaler
         costs = {
@@ -189,6 +212,31 @@ class ResumeAudit:
             " / ".join(missing),
             "; ".join(said),
         )
+
+    def _report_incomplete(self, folder: Path) -> bool:
+        """One warning when ``folder`` was stopped mid-save (a rank's files missing, or the
+        in-progress marker left), naming the files and the last complete checkpoint beside it.
+
+        Checked under every launcher (FSDP and DeepSpeed included): a rank without its
+        ``rng_state_K.pth`` resumes with other dropout masks and data order and nothing says so.
+        Warned rather than refused, as a checkpoint passed by path is the user's explicit choice.
+        """
+        reason = why_incomplete(folder)
+        if reason is None or not (folder / TRAINER_STATE_FILE).is_file():
+            return False  # complete, or no state at all: stock train() refuses it by itself
+        self.missing_state = missing_rank_files(folder)
+        earlier = last_complete_checkpoint(folder.parent, warn=False)
+        logger.warning(
+            "Resuming %s, which is incomplete (%s; interrupted while saving?): the resumed run "
+            "differs from the interrupted one (the ranks without their files start with other "
+            "state). %s",
+            folder,
+            reason,
+            f"The last complete checkpoint is {earlier}."
+            if earlier
+            else "No complete checkpoint is beside it.",
+        )
+        return True
 
     def restore_scale_history(self, checkpoint: Path) -> dict[str, Any] | None:
         """Start ``scale_history`` from the checkpoint's (the run so far); its saved state.

@@ -26,6 +26,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from amp_trainer.atomic_files import is_disk_full, write_json_atomic
+from amp_trainer.checkpointing.completeness import INCOMPLETE_MARKER
 from amp_trainer.checkpointing.layout import AMP_STATE_FILE, checkpoint_step
 from amp_trainer.training_args import AmpTrainingArguments
 
@@ -67,9 +68,12 @@ class CheckpointSaver:
 
         On a full disk torch says only "[enforce fail at inline_container.cc] ... file write
         failed" and leaves a half-written ``checkpoint-N``: here that folder is removed and an
-        ``OSError(ENOSPC)`` names it. Checkpoints that were in output_dir before this run (and
-        are not the earlier steps of the run resumed) are left out of ``save_total_limit``
-        rotation: they belong to another run.
+        ``OSError(ENOSPC)`` names it (also torch.distributed.checkpoint's, which every rank
+        raises). The folder holds
+        :data:`~amp_trainer.checkpointing.completeness.INCOMPLETE_MARKER` until every rank wrote
+        its part (see :meth:`_mark_complete`). Checkpoints that were in output_dir before this
+        run (and are not the earlier steps of the run resumed) are left out of
+        ``save_total_limit`` rotation: they belong to another run.
         """
         args = self.trainer.args
         run_dir = Path(run_dir)
@@ -81,11 +85,18 @@ class CheckpointSaver:
         try:
             if foreign and limit:
                 args.save_total_limit = None  # rotated below, without the foreign ones
+            if args.should_save:
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / INCOMPLETE_MARKER).write_text(
+                    f"{folder.name} is being saved; a save stopped half-way leaves this file.\n",
+                    encoding="utf-8",
+                )
             save()
             if args.should_save:
                 write_json_atomic(folder / AMP_STATE_FILE, self.amp_state())
-        except Exception as err:
-            if not is_disk_full(err, run_dir):
+            self._mark_complete(folder)
+        except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is one
+            if not _disk_full(err, run_dir):
                 raise
             if args.should_save and not existed:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -98,6 +109,20 @@ class CheckpointSaver:
             args.save_total_limit = limit
         if foreign and limit and args.should_save:
             self._rotate_own_checkpoints(run_dir, foreign, limit)
+
+    def _mark_complete(self, folder: Path) -> None:
+        """Remove the in-progress marker once every rank wrote its part of ``folder``.
+
+        Why: each rank writes its own files (``rng_state_K.pth``, its shards) and the main
+        process writes ``trainer_state.json`` without waiting for the others, so a rank killed
+        mid-save left a folder that looked complete. Every rank waits here; then the main
+        process removes the marker, last (see :mod:`~amp_trainer.checkpointing.completeness`).
+        """
+        accelerator = getattr(self.trainer, "accelerator", None)
+        if accelerator is not None and accelerator.num_processes > 1:
+            accelerator.wait_for_everyone()
+        if self.trainer.args.should_save:
+            (folder / INCOMPLETE_MARKER).unlink(missing_ok=True)
 
     def _foreign_names(self, run_dir: Path) -> set[str]:
         """Names of the checkpoints in ``run_dir`` at the start that belong to another run: all
@@ -180,4 +205,22 @@ class CheckpointSaver:
             if isinstance(args, AmpTrainingArguments)
             else {},
             "scale_history": self.trainer.scale_history,
+            # How many ranks wrote their part: what a complete checkpoint holds of each.
+            "world_size": getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1),
         }
+
+
+def _disk_full(err: BaseException, folder: Path) -> bool:
+    """Whether ``err`` is a full disk, also when torch.distributed.checkpoint gathered it.
+
+    DCP's ``CheckpointException`` (a ``BaseException``) carries each failed rank's exception
+    in ``failures`` (rank: exception, or exception and traceback) and says "file write failed"
+    for all of them; every rank raises it, so every rank can tell.
+    """
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, BaseException) and is_disk_full(cause, folder):
+                return True
+    return isinstance(err, Exception) and is_disk_full(err, folder)

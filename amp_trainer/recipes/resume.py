@@ -2,7 +2,8 @@
 
 ``--resume_from_checkpoint`` takes what transformers users pass: ``true`` (the last
 ``checkpoint-N`` in ``output_dir``, found as :func:`transformers.trainer_utils.get_last_checkpoint`
-finds it, but skipping one left half-written by a Ctrl-C), a run folder (its last checkpoint) or a
+finds it, but skipping one left half-written by a Ctrl-C or a killed rank: see
+:mod:`amp_trainer.checkpointing.completeness`), a run folder (its last checkpoint) or a
 ``checkpoint-N`` folder. Stock Trainer knows
 only the last form, and says so after the ~20 s of loading data and model ("Can't find a valid
 checkpoint at true", ``[Errno 2] ... trainer_state.json``); here a bad value is one line before
@@ -27,6 +28,11 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from amp_trainer.checkpointing.completeness import (
+    INCOMPLETE_MARKER,
+    last_complete_checkpoint,
+    why_incomplete,
+)
 from amp_trainer.recipes.config import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError
 
 __all__ = [
@@ -46,9 +52,6 @@ logger = logging.getLogger(__name__)
 
 _TRUE, _FALSE = ("true", "yes", "1"), ("", "false", "no", "0", "none")
 _STATE_FILE = "trainer_state.json"  # stock Trainer's TRAINER_STATE_NAME
-# transformers' JIT (SIGTERM) save writes this into checkpoint-N before saving and removes it after
-# (trainer_jit_checkpoint.py, 5.0.0 to 5.24); its get_last_checkpoint does not look at it.
-_INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
 _STEP = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
 
@@ -107,10 +110,10 @@ def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
                 f"--resume_from_checkpoint {said} is a file; pass a run folder or a "
                 "checkpoint-N folder"
             )
-        missing = _why_incomplete(folder)
+        missing = why_incomplete(folder)
         if missing is None:
             return str(folder)
-        if _STEP.fullmatch(folder.name) or (folder / _INCOMPLETE_MARKER).is_file():
+        if _STEP.fullmatch(folder.name) or (folder / INCOMPLETE_MARKER).is_file():
             earlier = last_complete_checkpoint(folder.parent)
             raise UsageError(
                 f"--resume_from_checkpoint {said} is an incomplete checkpoint ({missing}: "
@@ -127,58 +130,10 @@ def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
     if last is None:
         raise UsageError(
             f"--resume_from_checkpoint {said}: no checkpoint in {str(folder)!r} is complete "
-            f"(each lacks {_STATE_FILE} or holds {_INCOMPLETE_MARKER}); start a new run"
+            f"(each lacks {_STATE_FILE} or a rank's part, or holds {INCOMPLETE_MARKER}); start a "
+            "new run"
         )
     return last
-
-
-def _why_incomplete(path: Path) -> str | None:
-    """Why the folder ``path`` is not a complete checkpoint, ``None`` when it is one.
-
-    Complete: it holds ``trainer_state.json`` and not transformers' ``checkpoint-is-incomplete.txt``
-    (written before a SIGTERM save's files and removed after them, so a folder holding both was
-    stopped in the middle of that save)."""
-    if (path / _INCOMPLETE_MARKER).is_file():
-        return f"it holds {_INCOMPLETE_MARKER}"
-    if not (path / _STATE_FILE).is_file():
-        return f"no {_STATE_FILE}"
-    return None
-
-
-def last_complete_checkpoint(folder: str | os.PathLike[str]) -> str | None:
-    """The highest complete ``checkpoint-N`` in ``folder``: it holds ``trainer_state.json`` and
-    no ``checkpoint-is-incomplete.txt``.
-
-    transformers' ``get_last_checkpoint`` takes the highest number whatever it holds, so a run
-    stopped while saving (Ctrl-C, preemption) would be resumed from a half-written folder and fail
-    on ``trainer_state.json`` (or load half-written weights); a skipped one is named in a warning
-    with the one taken instead.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    steps = sorted(
-        ((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.fullmatch(p.name))),
-        reverse=True,
-    )
-    skipped: list[tuple[Path, str]] = []
-    found: str | None = None
-    for _, path in steps:
-        if not path.is_dir():
-            continue
-        missing = _why_incomplete(path)
-        if missing is None:
-            found = str(path)
-            break
-        skipped.append((path, missing))
-    for path, missing in skipped:
-        logger.warning(
-            "%s is incomplete (%s; interrupted while saving?): skipped; %s",
-            path,
-            missing,
-            f"the last complete one is {found}" if found else "no complete one is left",
-        )
-    return found
 
 
 def _next_free(folder: Path) -> Path:

@@ -47,6 +47,7 @@ from amp_trainer.recipes.config import (
     parse_args_with_config,
 )
 from amp_trainer.recipes.held_logs import holding_library_logs, release
+from amp_trainer.recipes.late_sigterm import saved_on_sigterm
 from amp_trainer.recipes.launcher import LauncherPrecision, one_process_notice
 from amp_trainer.recipes.models import (
     TINY_MODEL_CONFIGS,
@@ -71,6 +72,7 @@ from amp_trainer.recipes.reporting import (
     summarize_loss_scale,
 )
 from amp_trainer.recipes.resume import (
+    RunPreempted,
     interrupted,
     preempted,
     resumed_from_line,
@@ -296,7 +298,9 @@ class RecipeRun:
 
         Ctrl-C, or SIGTERM with ``--enable_jit_checkpoint`` (after its checkpoint is saved),
         ends the run here: one line with the command that resumes (exit 130, 143), no
-        evaluation, final model or metrics.json, as the run did not finish."""
+        evaluation, final model or metrics.json, as the run did not finish. With
+        ``--enable_jit_checkpoint``, a SIGTERM while evaluating or saving the final model saves
+        the trained model as a checkpoint first (see :mod:`amp_trainer.recipes.late_sigterm`)."""
         with self.phase("train"):
             resume = self.training_args.resume_from_checkpoint
             if resume is not None:
@@ -309,10 +313,19 @@ class RecipeRun:
             if trainer.jit_checkpoint is not None:  # SIGTERM (--enable_jit_checkpoint): saved
                 _close_progress_bars(trainer)
                 raise preempted(self.argv, self.training_args.output_dir, trainer.jit_checkpoint)
-        with self.phase("evaluate"):
-            eval_metrics = trainer.evaluate()
-        with self.phase("save"):
-            trainer.save_model()
+        args = self.training_args
+        late = saved_on_sigterm(
+            trainer, self.argv, args.output_dir, enabled=bool(args.enable_jit_checkpoint)
+        )
+        try:
+            with late:
+                with self.phase("evaluate"):
+                    eval_metrics = trainer.evaluate()
+                with self.phase("save"):
+                    trainer.save_model()
+        except RunPreempted:
+            _close_progress_bars(trainer)
+            raise
         return train_result, eval_metrics
 
     def finish(

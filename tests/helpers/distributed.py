@@ -30,9 +30,12 @@ XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED = pytest.mark.xfail(
 WORKERS = REPO_ROOT / "tests" / "distributed" / "workers"
 
 
-def run_two_gloo_ranks(worker: Path, out_dir: Path, *, timeout: float = 300) -> None:
-    """Run ``worker out_dir`` as two gloo ranks under torchrun (``--standalone`` picks a free
-    port), as a user's ``torchrun --nproc_per_node 2`` would; fail with both ranks' output.
+def run_two_gloo_ranks(
+    worker: Path, out_dir: Path, *args: str, timeout: float = 300, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run ``worker out_dir *args`` as two gloo ranks under torchrun (``--standalone`` picks a
+    free port), as a user's ``torchrun --nproc_per_node 2`` would; fail with both ranks' output
+    (unless ``check`` is false: a run expected to fail, e.g. one whose rank is killed).
 
     The worker writes what the tests check into ``out_dir`` (``rank<N>.json`` and tensors).
     torchrun runs in a process group of its own, ended whole (:func:`end_process_group`) when it
@@ -47,6 +50,7 @@ def run_two_gloo_ranks(worker: Path, out_dir: Path, *, timeout: float = 300) -> 
         "2",
         str(worker),
         str(out_dir),
+        *args,
     ]
     proc = subprocess.Popen(
         command,
@@ -69,7 +73,9 @@ def run_two_gloo_ranks(worker: Path, out_dir: Path, *, timeout: float = 300) -> 
         )
     finally:
         end_process_group(proc)  # a rank left behind by a failed or finished run, if any
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    if check:
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def end_process_group(proc: subprocess.Popen, grace: float = 5.0) -> None:

@@ -20,11 +20,15 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 
 from amp_trainer import AmpTrainer
 from amp_trainer.checkpointing import AMP_STATE_FILE
+from amp_trainer.checkpointing.completeness import why_incomplete
+from amp_trainer.recipes import RecipeRun
+from amp_trainer.recipes.resume import RunPreempted
 from tests.helpers.recipes import BERT
 from tests.helpers.repo import REPO_ROOT, subprocess_env
 from tests.helpers.tiny_models import make_tiny_bert
@@ -175,6 +179,69 @@ def _read_lines(stream, lines: list[str]) -> threading.Thread:
     thread = threading.Thread(target=lambda: lines.extend(stream), daemon=True)
     thread.start()
     return thread
+
+
+class SigtermWhileEvaluating(TrainerCallback):
+    """SIGTERM to this process in the first evaluation step: after training, in the recipe's
+    evaluate phase (transformers' own handler is gone by then)."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if not self.sent:
+            self.sent = True
+            signal.raise_signal(signal.SIGTERM)
+
+
+class Ended(BaseException):
+    """What the process's own SIGTERM action (it ends) is replaced with, so the test can see it."""
+
+
+def _ended(signum, frame):
+    raise Ended
+
+
+def test_sigterm_after_training_saves_the_trained_model_and_ends_as_a_preempted_run(tmp_path):
+    reset_accelerate_state()
+    out = tmp_path / "run"
+    # Trainer puts back the handler it found (at __init__) when training ends: this one.
+    before = signal.signal(signal.SIGTERM, _ended)
+    try:
+        trainer = _trainer(
+            out,
+            SigtermWhileEvaluating(),
+            eval_dataset=ToyClassification(8, seed=1),
+            enable_jit_checkpoint=True,
+            save_strategy="no",  # nothing else saves a trained step
+        )
+        run = RecipeRun(
+            name="finetune_bert",
+            model_args=None,
+            data_args=None,
+            training_args=trainer.args,
+            started=time.perf_counter(),
+            argv=("--enable_jit_checkpoint", "true", "--save_strategy", "no"),
+        )
+        with pytest.raises(RunPreempted) as info:
+            run.train_evaluate_save(trainer)
+        assert signal.getsignal(signal.SIGTERM) is _ended  # put back afterwards
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    checkpoint = out / f"checkpoint-{MAX_STEPS}"
+    scale = trainer.loss_scaler.get_scale()
+    assert str(info.value).startswith(
+        f"stopped by SIGTERM (--enable_jit_checkpoint); {checkpoint.name} saved at step "
+        f"{MAX_STEPS} (loss scale {scale:g}). Resume with: "
+    )
+    assert info.value.exit_code == 143
+    assert why_incomplete(checkpoint) is None
+    assert torch.load(checkpoint / "scaler.pt", weights_only=True) == (
+        trainer.loss_scaler.state_dict()
+    )
+    saved = load_file(checkpoint / "model.safetensors")
+    trained = trainer.model.state_dict()
+    assert saved and all(torch.equal(v, trained[k]) for k, v in saved.items())
 
 
 @pytest.mark.slow

@@ -75,3 +75,15 @@ def test_resuming_the_recipes_final_checkpoint_trains_nothing_and_says_so(runs):
     out, _, _, _, result = runs
     assert "nothing to train" in result.stderr
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_the_resumed_final_checkpoints_summary_reports_the_checkpoints_loss_scale(runs):
+    # metrics.json and the summary of the "nothing to train" run are the finished run's: the
+    # scaler is restored from checkpoint-4/scaler.pt, not left at --loss_scale_init.
+    out, full, _, _, result = runs
+    finished = json.loads((out / "metrics.json").read_text())  # the last of the three runs
+    assert full["loss_scale"]["final"] != 16777216  # the run's overflows lowered it
+    assert finished["loss_scale"] == full["loss_scale"]
+    row = next(line for line in result.stdout.splitlines() if "loss scale final" in line)
+    cells = [cell.strip() for cell in row.split("|") if cell.strip()]
+    assert cells[-1] == f"{full['loss_scale']['final']:.10g}"

@@ -76,6 +76,27 @@ def test_a_complete_checkpoint_without_the_marker_is_still_taken(tmp_path):
     assert resolve_checkpoint(str(run / "checkpoint-2"), str(tmp_path)) == str(run / "checkpoint-2")
 
 
+def test_a_checkpoint_missing_one_ranks_rng_state_is_skipped_and_refused_naming_it(
+    tmp_path, caplog
+):
+    # What a two-process save leaves when rank 1 is killed before its rng_state_1.pth (the
+    # FSDP2 case with a real kill: tests/distributed/test_fsdp2_torn_checkpoint.py).
+    run = checkpoints(tmp_path / "run")
+    for step, ranks in ((1, (0, 1)), (2, (0,))):
+        folder = run / f"checkpoint-{step}"
+        (folder / "amp_trainer_state.json").write_text('{"world_size": 2}')
+        for rank in ranks:
+            (folder / f"rng_state_{rank}.pth").write_bytes(b"")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_checkpoint("true", str(run)) == str(run / "checkpoint-1")
+    assert f"{run / 'checkpoint-2'} is incomplete (no rng_state_1.pth; " in caplog.text
+    with pytest.raises(UsageError) as error:
+        resolve_checkpoint(str(run / "checkpoint-2"), str(tmp_path))
+    assert "is an incomplete checkpoint (no rng_state_1.pth: interrupted while saving?)" in str(
+        error.value
+    )
+
+
 # -- the launcher in the resume command ----------------------------------------------------------
 
 LAUNCHER_VARIABLES = (

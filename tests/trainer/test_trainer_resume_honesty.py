@@ -4,6 +4,7 @@ summary, a finished run; checkpoints survive a full disk and other runs' rotatio
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import shutil
 import subprocess
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from amp_trainer import AmpTrainer
+from amp_trainer.checkpointing import AMP_STATE_FILE
+from amp_trainer.checkpointing.completeness import INCOMPLETE_MARKER
 from amp_trainer.recipes.reporting import summarize_loss_scale
 from tests.helpers.tiny_models import make_tiny_bert
 from tests.helpers.training import (
@@ -126,6 +129,60 @@ def test_resuming_the_final_checkpoint_trains_nothing_and_says_so(full_run, tmp_
     assert summarize_loss_scale(
         trainer.scale_history, trainer.loss_scaler.get_scale()
     ).skipped == len(OVERFLOW_STEPS)
+
+
+def test_resuming_the_final_checkpoint_restores_its_loss_scaler_not_the_initial_one(
+    full_run, tmp_path
+):
+    checkpoint = copy_checkpoint(full_run, tmp_path, step=MAX_STEPS)
+    trainer = make_trainer(checkpoint.parent, loss_scale_init=2.0**23)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    saved = torch.load(checkpoint / "scaler.pt", weights_only=True)
+    assert saved["steps"] == MAX_STEPS + len(OVERFLOW_STEPS)  # the run's, not a fresh scaler's
+    assert trainer.loss_scaler.state_dict() == saved
+    assert trainer.loss_scaler.get_scale() == full_run[1].loss_scaler.get_scale() != 2.0**23
+
+
+@pytest.mark.parametrize("torn", ["marker", "no_trainer_state"])
+def test_resume_true_skips_a_checkpoint_stopped_mid_save_and_names_what_it_lacks(
+    full_run, tmp_path, caplog, torn
+):
+    # What a kill during checkpoint-6's save leaves: the in-progress marker (removed only after
+    # every rank wrote its part), or a folder without trainer_state.json (killed earlier).
+    earlier = copy_checkpoint(full_run, tmp_path, step=CHECKPOINT_STEP)
+    last = copy_checkpoint(full_run, tmp_path, step=MAX_STEPS)
+    if torn == "marker":
+        (last / INCOMPLETE_MARKER).write_text("saving")
+        reason = f"it holds {INCOMPLETE_MARKER}"
+    else:
+        (last / "trainer_state.json").unlink()
+        reason = "no trainer_state.json"
+    trainer = make_trainer(last.parent)
+    with caplog.at_level(logging.WARNING, logger="amp_trainer"):
+        trainer.train(resume_from_checkpoint=True)
+    skipped = [r.getMessage() for r in caplog.records if "is incomplete" in r.getMessage()]
+    assert skipped == [
+        f"{last} is incomplete ({reason}; interrupted while saving?): skipped; the last "
+        f"complete one is {earlier}"
+    ]
+    assert trainer.state.global_step == MAX_STEPS
+    assert trainer.scale_history == full_run[1].scale_history  # trained steps 4-6 from step 3
+    trained = full_run[1].model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in trainer.model.state_dict().items())
+
+
+def test_resume_true_with_only_incomplete_checkpoints_is_one_error(full_run, tmp_path):
+    last = copy_checkpoint(full_run, tmp_path, step=MAX_STEPS)
+    (last / INCOMPLETE_MARKER).write_text("saving")
+    trainer = make_trainer(last.parent)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint=True: no checkpoint in .* is "):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_a_saved_checkpoint_records_its_world_size_and_no_in_progress_marker(full_run):
+    checkpoint = full_run[0] / f"checkpoint-{CHECKPOINT_STEP}"
+    assert json.loads((checkpoint / AMP_STATE_FILE).read_text())["world_size"] == 1
+    assert not (checkpoint / INCOMPLETE_MARKER).exists()
 
 
 def test_save_total_limit_rotation_leaves_another_runs_checkpoint_alone(full_run, tmp_path):

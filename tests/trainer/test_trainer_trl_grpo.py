@@ -10,10 +10,13 @@ metrics, and a checkpoint taken mid-run resumes to the uninterrupted run's param
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import shutil
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from tests.helpers.tiny_models import COLOURS, THINGS, colour_bpe_tokenizer, tiny_gpt2_for
 from tests.helpers.training import InjectOverflow, tiny_training_args, train_logs
@@ -117,3 +120,30 @@ def test_grpo_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, tokenizer):
     assert resumed.loss_scaler.state_dict() == full.loss_scaler.state_dict()
     assert [e["skipped"] for e in resumed.scale_history] == [False, True, False, False]
     assert torch.equal(_params(resumed), _params(full))
+
+
+def test_grpo_resume_true_skips_a_checkpoint_stopped_mid_save(tmp_path, tokenizer, caplog):
+    # The mixin picks the checkpoint as AmpTrainer and the recipes do: a checkpoint-3 whose save
+    # was killed before trainer_state.json is skipped, with one warning (stock picks it and
+    # dies with FileNotFoundError).
+    run = tmp_path / "run"
+    _trainer(tokenizer, run, 2).train()
+    torn = run / "checkpoint-3"
+    shutil.copytree(run / "checkpoint-2", torn)
+    (torn / "trainer_state.json").unlink()
+
+    steps: list[int] = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+
+    resumed = _trainer(tokenizer, run, 3, callbacks=[lambda model: Steps()])
+    with caplog.at_level(logging.WARNING, logger="amp_trainer"):
+        resumed.train(resume_from_checkpoint=True)
+    skipped = [r.getMessage() for r in caplog.records if "is incomplete" in r.getMessage()]
+    assert skipped == [
+        f"{torn} is incomplete (no trainer_state.json; interrupted while saving?): skipped; "
+        f"the last complete one is {run / 'checkpoint-2'}"
+    ]
+    assert steps == [3] and resumed.state.global_step == 3

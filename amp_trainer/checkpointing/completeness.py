@@ -1,0 +1,131 @@
+"""Whether a checkpoint folder is whole: the one rule every resume path applies.
+
+A save can stop half-way (a Ctrl-C, a preemption, one rank killed): a ``checkpoint-N`` folder then
+exists with some of its files. transformers' ``get_last_checkpoint`` takes the highest number
+whatever it holds, so a resumed run dies on a missing ``trainer_state.json`` (every rank, with a
+``FileNotFoundError``), or, worse, resumes a checkpoint where one rank's RNG state is missing and
+silently trains on other data order and dropout masks. The recipes' ``--resume_from_checkpoint``
+and :class:`~amp_trainer.trainer.AmpTrainerMixin`'s ``resume_from_checkpoint=True`` both pick the
+last checkpoint :func:`why_incomplete` accepts, with one warning naming what each skipped one lacks.
+
+A folder is complete when it holds ``trainer_state.json``, no :data:`INCOMPLETE_MARKER` (written
+before a save's files and removed once every rank wrote its part; transformers' SIGTERM save uses
+the same name), and every rank's part: ``rng_state_K.pth`` of each rank K once any rank saved one,
+and the ``__K_0.distcp`` shard of each rank plus ``.metadata`` in each
+``torch.distributed.checkpoint`` folder (FSDP's sharded model and optimizer). The number of ranks
+is the ``world_size`` recorded in ``amp_trainer_state.json``, else the most any file shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from amp_trainer.checkpointing.layout import TRAINER_STATE_FILE, checkpoint_step, read_amp_state
+
+__all__ = [
+    "INCOMPLETE_MARKER",
+    "last_complete_checkpoint",
+    "missing_rank_files",
+    "why_incomplete",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Present while a checkpoint is being written (by :class:`CheckpointSaver` and by
+#: transformers' SIGTERM save, 5.0 to 5.24): a folder that holds it was stopped mid-save.
+INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
+
+_RNG = re.compile(r"rng_state_(\d+)\.pth")
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+_DCP_METADATA = ".metadata"
+
+
+def _ranks_saved(folder: Path) -> int:
+    """How many ranks wrote ``folder``: ``world_size`` in its amp state, else what files show."""
+    recorded = (read_amp_state(folder) or {}).get("world_size")
+    if isinstance(recorded, int) and recorded > 0:
+        return recorded
+    seen = [int(m.group(1)) for p in folder.iterdir() if (m := _RNG.fullmatch(p.name))]
+    for sub in folder.iterdir():
+        if sub.is_dir():
+            seen += [int(m.group(1)) for p in sub.iterdir() if (m := _SHARD.fullmatch(p.name))]
+    return max(seen, default=0) + 1
+
+
+def missing_rank_files(folder: str | os.PathLike[str]) -> list[str]:
+    """The files of some rank's part that ``folder`` lacks (relative names; empty: none).
+
+    A checkpoint saved without RNG state (``save_only_model``) lacks them for every rank and is
+    whole; one that holds rank 0's ``rng_state_0.pth`` but not rank 1's was stopped mid-save.
+    """
+    folder = Path(folder)
+    ranks = _ranks_saved(folder)
+    missing: list[str] = []
+    names = {p.name for p in folder.iterdir()}
+    if ranks > 1 and any(_RNG.fullmatch(name) for name in names):
+        missing += [f"rng_state_{k}.pth" for k in range(ranks) if f"rng_state_{k}.pth" not in names]
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        shards = {p.name for p in sub.iterdir()}
+        if not any(_SHARD.fullmatch(name) for name in shards):
+            continue  # not a torch.distributed.checkpoint folder
+        taken = {int(m.group(1)) for name in shards if (m := _SHARD.fullmatch(name))}
+        missing += [f"{sub.name}/__{k}_0.distcp" for k in range(ranks) if k not in taken]
+        if _DCP_METADATA not in shards:
+            missing.append(f"{sub.name}/{_DCP_METADATA}")
+    return missing
+
+
+def why_incomplete(folder: str | os.PathLike[str]) -> str | None:
+    """Why ``folder`` is not a complete checkpoint (what it holds or lacks), ``None`` when it is.
+
+    See the module doc for the rule; the reason names the files, as the warnings say them.
+    """
+    folder = Path(folder)
+    reasons = []
+    if (folder / INCOMPLETE_MARKER).is_file():
+        reasons.append(f"it holds {INCOMPLETE_MARKER}")
+    missing = [] if (folder / TRAINER_STATE_FILE).is_file() else [TRAINER_STATE_FILE]
+    missing += missing_rank_files(folder)
+    if missing:
+        reasons.append("no " + ", ".join(missing))
+    return "; ".join(reasons) or None
+
+
+def last_complete_checkpoint(folder: str | os.PathLike[str], *, warn: bool = True) -> str | None:
+    """The highest-numbered complete ``checkpoint-N`` in ``folder`` (``None``: there is none).
+
+    Each newer one skipped is named in a warning (unless ``warn`` is false), with what it lacks
+    and the one taken instead.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    steps = sorted(
+        (
+            (step, path)
+            for path in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+            if path.is_dir() and (step := checkpoint_step(path)) is not None
+        ),
+        reverse=True,
+    )
+    skipped: list[tuple[Path, str]] = []
+    found: str | None = None
+    for _, path in steps:
+        reason = why_incomplete(path)
+        if reason is None:
+            found = str(path)
+            break
+        skipped.append((path, reason))
+    for path, reason in skipped if warn else ():
+        logger.warning(
+            "%s is incomplete (%s; interrupted while saving?): skipped; %s",
+            path,
+            reason,
+            f"the last complete one is {found}" if found else "no complete one is left",
+        )
+    return found
