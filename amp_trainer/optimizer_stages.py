@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple
 
-__all__ = ["OptimizerStage", "OptimizerStages", "Settled", "Stage"]
+__all__ = ["OptimizerStage", "OptimizerStages", "Settled", "Stage", "unscaled_gradients_error"]
 
 
 class Stage(Enum):
@@ -125,9 +125,7 @@ class OptimizerStages:
         """Mark ``record`` stepped; whether any optimizer stepped this iteration skipped (with
         several optimizers, "skipped" means any of them)."""
         record.stage = Stage.STEPPED
-        return any(
-            r.found_inf for r in self.by_id.values() if r.stage is Stage.STEPPED and r.found_inf
-        )
+        return any(r.found_inf for r in self.by_id.values() if r.stage is Stage.STEPPED)
 
     def settle(self) -> Settled | None:
         """End the iteration for ``update()``: the verdict to act on, or ``None`` when only DCP's
