@@ -11,23 +11,28 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from amp_trainer.numerics import describe_names
 from amp_trainer.overflow_attribution import ParameterNames, grad_values, local_values
 
 __all__ = [
     "GradientGroups",
+    "ScaleTensors",
     "all_zero",
     "check_and_unscale",
     "distributed",
     "group_gradients",
+    "half_gradients_error",
+    "multiply_",
     "one_pass_clip_factor",
     "one_pass_is_exact",
     "reduce_found_inf",
+    "unscale_and_clip_",
 ]
 
 #: device -> dtype -> the gradient tensors of that group (what the fused kernel takes at once).
@@ -167,3 +172,82 @@ def one_pass_clip_factor(
         factor = coef * inv_scale.to(scaled_norm.device)  # exact while a normal float32
         unusual = (~torch.isfinite(scaled_norm)) | (factor < torch.finfo(torch.float32).tiny)
     return total_norm, factor, unusual
+
+
+class ScaleTensors(dict):
+    """The loss scale and its reciprocal as float32 tensors, per device: ``device -> (scale,
+    scale tensor, reciprocal tensor)``. Made lazily on the device of first use and refreshed
+    only when the scale changes, so ``scale()`` and unscaling cost no host-to-device copy on
+    the steady-state path; nothing is allocated before."""
+
+    def on(self, device: torch.device, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale and its reciprocal on ``device``."""
+        cached = self.get(device)
+        if cached is None or cached[0] != scale:
+            scale_tensor = torch.full((), scale, dtype=torch.float32, device=device)
+            # The reciprocal is taken in float64, then rounded, as torch does: an FP32
+            # division can be imprecise under some compile options.
+            inv_scale = torch.full((), 1.0 / scale, dtype=torch.float64).to(torch.float32)
+            cached = (scale, scale_tensor, inv_scale.to(device))
+            self[device] = cached
+        return cached[1], cached[2]
+
+    def any_device(self, device_type: str) -> torch.device:
+        """A device for a flag when there are no gradients: one in use, else the current CUDA
+        device for a ``"cuda"`` scaler where there is one, else the CPU."""
+        if self:
+            return next(iter(self))
+        if device_type == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def half_gradients_error(names: list[str]) -> ValueError:
+    """FP16 gradients cannot be unscaled: the update needs FP32 master weights."""
+    return ValueError(
+        "Attempting to unscale FP16 gradients of "
+        f"{len(names)} parameter(s): {describe_names(names)}. "
+        "Mixed-precision training needs FP32 master weights: keep trainable "
+        "parameters in float32 (autocast runs the maths in FP16) - e.g. "
+        "amp_trainer.precision.cast_trainable_params_to_fp32(model) - and load "
+        "models without dtype=torch.float16 for training."
+    )
+
+
+def multiply_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """``grads *= factor`` in place, one foreach kernel per device (``factor`` copied to each)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        by_device[grad.device].append(grad)
+    with torch.no_grad():
+        for device, device_grads in by_device.items():
+            torch._foreach_mul_(device_grads, factor.to(device))
+
+
+def unscale_and_clip_(
+    params: list[torch.Tensor],
+    inv_scale: torch.Tensor,
+    max_norm: float,
+    norm_type: float,
+    foreach: bool | None,
+    reduce: Callable[[list[torch.Tensor]], bool],
+) -> torch.Tensor | None:
+    """Unscale and clip ``params``' still-scaled gradients in one pass; the unscaled total norm.
+
+    The gradients are read twice and written once instead of three reads and two writes
+    (:func:`one_pass_clip_factor` says why that is exact); where :func:`one_pass_is_exact`
+    holds, the result is bit-identical to unscale-then-clip (and to
+    ``torch.amp.GradScaler.unscale_`` + ``clip_grad_norm_``), the returned norm included.
+    One device-to-host read: ``reduce`` (the scaler's found-inf reduction, all-reduced so every
+    rank takes the same path) of the flag saying the scaled norm is not finite. Then nothing is
+    written and ``None`` returned: the caller's two-pass path tells an inf gradient from finite
+    ones whose scaled norm overflows.
+    """
+    grads = [p.grad for p in params]
+    total_norm, factor, unusual = one_pass_clip_factor(
+        grads, inv_scale, max_norm, norm_type, foreach
+    )
+    if reduce([unusual.float()]):
+        return None
+    multiply_(grads, factor)
+    return total_norm

@@ -20,7 +20,13 @@ try:  # a sharding engine's gradients (FSDP2, tensor parallel) are DTensors
 except ImportError:  # torch built without distributed support
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["ParameterNames", "grad_values", "local_values", "non_finite_parameters"]
+__all__ = [
+    "OverflowAttribution",
+    "ParameterNames",
+    "grad_values",
+    "local_values",
+    "non_finite_parameters",
+]
 
 
 class ParameterNames:
@@ -118,3 +124,66 @@ def non_finite_parameters(
     }
     rank_order = {name: n for n, name in enumerate(merged)}
     return tuple(sorted(merged, key=lambda name: (order.get(name, len(order)), rank_order[name])))
+
+
+class OverflowAttribution:
+    """A loss scaler's record of where its overflows were: the names it watches, the parameters
+    whose gradients overflowed last (:attr:`last_params`) and the modules whose forward overflowed
+    last (:attr:`last_forward_modules`).
+
+    Watching costs nothing on clean steps: the per-parameter finiteness check runs only on steps
+    whose fused check already found an inf/NaN. Sharded gradients (FSDP2's DTensors) are checked
+    where they live: each rank looks at its own local shards only (no full gradient is
+    gathered). Under ``torch.distributed`` with more than one rank, the names found are then
+    gathered (``all_gather_object`` over the scaler's process group, on overflow steps only), so
+    every rank reports the same list, whichever rank's shard held the inf.
+    """
+
+    def __init__(self) -> None:
+        self.names = ParameterNames()
+        self.last_params: tuple[str, ...] = ()
+        self.last_forward_modules: tuple[str, ...] = ()
+
+    def attribute(
+        self,
+        optimizer: torch.optim.Optimizer,
+        process_group: Any,
+        *,
+        distributed: bool,
+        needed: bool,
+    ) -> None:
+        """An overflow step: name its parameters when any are watched, when ``needed`` (the scale
+        is at its floor, whose error names them) or when ``distributed`` (every rank joins the
+        gather of the names: the verdict is the all-reduced one, so all of them get here)."""
+        if self.names or needed or distributed:
+            self.last_params = non_finite_parameters(
+                optimizer, self.names, process_group if distributed else False
+            )
+
+    def forward_overflow(self, modules: Iterable[str]) -> None:
+        """The step just skipped was a forward overflow in ``modules``: they become
+        :attr:`last_forward_modules` (kept when ``modules`` is empty: none found), and
+        :attr:`last_params`, which would list every parameter, is emptied."""
+        names = tuple(modules)
+        if names:
+            self.last_forward_modules = names
+        self.last_params = ()
+
+    def state_dict(self) -> dict[str, list[str]]:
+        """The names a scaler checkpoint carries (plain lists of str)."""
+        return {
+            "last_overflow_params": list(self.last_params),
+            "last_forward_overflow_modules": list(self.last_forward_modules),
+        }
+
+    def load_state_dict(self, names: dict[str, list[str]]) -> None:
+        """Restore :meth:`state_dict`'s names (checked by the caller)."""
+        self.last_params = tuple(names["last_overflow_params"])
+        self.last_forward_modules = tuple(names["last_forward_overflow_modules"])
+
+    def for_copy(self) -> OverflowAttribution:
+        """What a pickled or deep-copied scaler keeps: the last names, not the watched map
+        (keyed by object id, meaningless in another process)."""
+        copy = OverflowAttribution()
+        copy.last_params, copy.last_forward_modules = self.last_params, self.last_forward_modules
+        return copy

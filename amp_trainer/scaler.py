@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
@@ -42,27 +39,31 @@ from torch import nn
 
 from amp_trainer.grad_unscale import (
     GradientGroups,
+    ScaleTensors,
     all_zero,
     check_and_unscale,
     distributed,
     group_gradients,
-    one_pass_clip_factor,
+    half_gradients_error,
     one_pass_is_exact,
     reduce_found_inf,
+    unscale_and_clip_,
 )
 from amp_trainer.numerics import describe_names
-from amp_trainer.overflow_attribution import (
-    ParameterNames,
-    non_finite_parameters,
+from amp_trainer.optimizer_stages import (
+    OptimizerStage,
+    OptimizerStages,
+    Stage,
+    unscaled_gradients_error,
 )
+from amp_trainer.overflow_attribution import OverflowAttribution
 from amp_trainer.scale_policy import Decision, ScalePolicy
-from amp_trainer.underflow import UnderflowReading, measure_underflow, setup_pitfall
+from amp_trainer.scaler_state import STATE_VERSION, ScalerStats, read_state
+from amp_trainer.underflow import UnderflowChecks, UnderflowReading
 
 __all__ = ["DynamicLossScaler", "LossScaleError", "ScalerStats"]
 
 logger = logging.getLogger(__name__)
-
-_STATE_VERSION = 2
 
 
 class LossScaleError(FloatingPointError, RuntimeError):
@@ -70,48 +71,6 @@ class LossScaleError(FloatingPointError, RuntimeError):
 
     A ``FloatingPointError`` so that code catching the stdlib's numeric failures catches it too.
     """
-
-
-class _Stage(Enum):
-    """Where one optimizer is in the current iteration (torch's ``OptState``)."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-@dataclass(frozen=True)
-class ScalerStats:
-    """A snapshot of everything the scaler knows; cheap to take, safe to keep.
-
-    ``steps`` counts :meth:`DynamicLossScaler.update` calls (optimizer steps attempted), ``skipped``
-    those whose gradients were non-finite, ``overflow_streak`` the current run of consecutive
-    overflowing steps. ``backoffs`` counts the times the scale really went down: a forward
-    overflow's backoff, undone by the guard, is not one. ``last_overflow_params`` names the
-    parameters with non-finite gradients on the most recent overflow step (names when
-    :meth:`~DynamicLossScaler.watch` was called, positional labels otherwise; empty when nothing
-    was attributed, and on a forward overflow, whose gradients are all non-finite because the
-    loss was). ``last_forward_overflow_modules`` names the module(s) whose FP16 forward
-    overflowed on the most recent forward overflow: the ones the forward-overflow guard made FP32
-    islands, or named (see :meth:`~DynamicLossScaler.record_forward_overflow`).
-    ``grad_underflow`` (0..1) and ``grad_headroom`` are the last
-    :meth:`~DynamicLossScaler.check_underflow` reading's share flushed to zero and doublings left
-    (``None`` before any), ``underflow_by_param`` its share per parameter, ``underflow_growths``
-    the growths the two-sided rule made.
-    """
-
-    scale: float
-    steps: int
-    skipped: int
-    growths: int
-    backoffs: int
-    overflow_streak: int
-    last_overflow_params: tuple[str, ...]
-    last_forward_overflow_modules: tuple[str, ...] = ()
-    grad_underflow: float | None = None
-    grad_headroom: float | None = None
-    underflow_growths: int = 0
-    underflow_by_param: Mapping[str, float] = field(default_factory=dict)
 
 
 class DynamicLossScaler:
@@ -200,38 +159,16 @@ class DynamicLossScaler:
             grow_on_underflow=grow_on_underflow,
         )
         self.process_group = process_group
-        self._underflow: UnderflowReading | None = None
-        self._underflow_request: Any = None  # parameters to measure at the next scale() call
-        self._pitfalls_said: set[str] = set()
-        self._param_names = ParameterNames()
-        # scale() calls so far, and their count when each optimizer last unscaled: gradients
-        # that appear with no scale() call since then came from a plain backward (see unscale_).
-        # One integer increment per scale() and one compare per unscale_(): free on clean steps.
-        self._scale_calls = 0
-        self._scale_calls_at_unscale: dict[int, int] = {}
-        self._carried = False  # per-optimizer states kept across update() (see update())
-        self._reset_counters()
-        self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(self._fresh_optimizer_state)
-        # Device tensors (scale and its reciprocal) are created lazily on first use, per device,
-        # and refreshed only when the scale changes: scale() and unscale_() then cost no
-        # host-to-device copy on the steady-state path.
-        self._device_cache: dict[torch.device, tuple[float, torch.Tensor, torch.Tensor]] = {}
-
-    def _reset_counters(self) -> None:
+        self._underflow = UnderflowChecks(logger)
+        self._attribution = OverflowAttribution()
         self._warned_this_streak = False
-        self._last_overflow_params: tuple[str, ...] = ()
-        self._last_forward_overflow_modules: tuple[str, ...] = ()
         self._step_was_skipped = False
-
-    @staticmethod
-    def _fresh_optimizer_state() -> dict[str, Any]:
-        # A staticmethod rather than a lambda: lambdas don't pickle, and neither would the scaler.
-        # "counted": whether an update() has already acted on this verdict (see update()).
-        # "passthrough": the step DCP runs on all-zero, never-scaled gradients (see unscale_()).
-        return {"stage": _Stage.READY, "found_inf": None, "counted": False, "passthrough": False}
+        # The step protocol's per-optimizer stages (READY/UNSCALED/STEPPED) and verdicts.
+        self._stages = OptimizerStages()
+        self._device_cache = ScaleTensors()  # the scale as device tensors, made lazily
 
     # ----------------------------------------------------------------------------------------
-    # torch.amp.GradScaler-compatible accessors
+    # torch.amp.GradScaler-compatible accessors; telemetry; attribution by name
     # ----------------------------------------------------------------------------------------
     def is_enabled(self) -> bool:
         return self._enabled
@@ -269,51 +206,23 @@ class DynamicLossScaler:
 
     @property
     def stats(self) -> ScalerStats:
-        policy = self.policy
-        return ScalerStats(
-            scale=self.get_scale(),
-            steps=policy.steps,
-            skipped=policy.skipped,
-            growths=policy.growths,
-            backoffs=policy.backoffs,
-            overflow_streak=policy.overflow_streak,
-            last_overflow_params=self._last_overflow_params,
-            last_forward_overflow_modules=self._last_forward_overflow_modules,
-            grad_underflow=None if self._underflow is None else self._underflow.underflow,
-            grad_headroom=None if self._underflow is None else self._underflow.headroom,
-            underflow_growths=policy.underflow_growths,
-            underflow_by_param=dict(self._underflow.by_param) if self._underflow else {},
-        )
+        """A snapshot of the counters, the last overflow's names and the last underflow reading."""
+        return ScalerStats.of(self.get_scale(), self.policy, self._attribution, self.last_underflow)
 
     @property
     def last_underflow(self) -> UnderflowReading | None:
         """The last :meth:`check_underflow` reading, whole (``None`` before any)."""
-        return self._underflow
+        return self._underflow.last
 
     def check_underflow(
         self, loss: torch.Tensor, params: nn.Module | Iterable[Any]
     ) -> UnderflowReading:
-        """Measure how much of this step's gradient FP16 flushes to zero at the current scale.
-
-        Call it with the step's (unscaled) loss *before* its backward, on the steps you want
-        sampled; the backward then runs as usual::
-
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = model(**batch).loss
-            if step % 500 == 0:
-                reading = scaler.check_underflow(loss, model)   # .underflow, .headroom
-            scaler.scale(loss).backward()
-
-        Two extra backward passes on the kept graph (:func:`amp_trainer.underflow.measure_underflow`
-        says what is compared); no gradient, RNG stream, buffer or scale is changed, except by
-        ``grow_on_underflow=True``, which may grow the scale at once. The figures go into
-        :attr:`stats`. Disabled (``enabled=False``), it measures at scale 1: FP16 compute with no
-        loss scaling. Under several processes each rank measures its own loss; keep the model
-        out of DDP's gradient hooks (``with model.no_sync():``) as no gradient is accumulated.
+        """Measure how much of this step's gradient FP16 flushes to zero at the current scale:
+        call it with the step's (unscaled) loss *before* its backward, on the steps you want
+        sampled (:class:`~amp_trainer.underflow.UnderflowChecks` shows how, and what it costs).
+        The figures go into :attr:`stats`; ``grow_on_underflow=True`` may grow the scale at once.
         """
-        reading = measure_underflow(loss, params, self.get_scale())
-        self._underflow = reading
-        self._say_pitfalls(reading)
+        reading = self._underflow.measure(loss, params, self.get_scale(), self._enabled)
         if self._enabled:
             self.policy.on_underflow(reading.underflow, reading.fixing_scale, reading.headroom)
         return reading
@@ -322,58 +231,32 @@ class DynamicLossScaler:
         """Measure :meth:`check_underflow` on the next :meth:`scale` call's loss (for callers
         that do not hold the loss, such as a Trainer callback: Accelerate's ``backward`` hands
         the step's exact loss, gradient-accumulation division included, to ``scale``)."""
-        self._underflow_request = params
+        self._underflow.requested = params
 
     @property
     def underflow_recheck_due(self) -> bool:
         """Whether the last reading grew the scale (``grow_on_underflow``): measure again soon."""
         return self.policy.grew_on_underflow_lately
 
-    def _say_pitfalls(self, reading: UnderflowReading) -> None:
-        """The seed's two setup mistakes, said once each per scaler, where the meter shows them."""
-        found = setup_pitfall(reading, self._enabled)
-        if found is not None and found[0] not in self._pitfalls_said:
-            self._pitfalls_said.add(found[0])
-            logger.warning("%s", found[1])
-
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool | None:
         """This iteration's overflow verdict for ``optimizer``; ``None`` before :meth:`unscale_`."""
-        state = self._per_optimizer.get(id(optimizer))
-        return None if state is None else state["found_inf"]
+        return self._stages.found_inf(optimizer)
 
-    # ----------------------------------------------------------------------------------------
-    # overflow attribution
-    # ----------------------------------------------------------------------------------------
     def watch(
         self, model_or_named_parameters: nn.Module | Iterable[tuple[str, torch.Tensor]]
     ) -> DynamicLossScaler:
-        """Remember parameter names so overflows can be attributed to them.
-
-        Costs nothing on clean steps: the per-parameter finiteness check runs only on steps whose
-        fused check already found an inf/NaN. Returns ``self`` so it chains off the constructor.
-
-        Sharded gradients (FSDP2's DTensors) are checked where they live: each rank looks at its
-        own local shards only (no full gradient is gathered). Under ``torch.distributed`` with more
-        than one rank, the names found are then gathered (``all_gather_object`` over the scaler's
-        ``process_group``, on overflow steps only), so every rank reports the same list in
-        :attr:`stats` and in errors, whichever rank's shard held the inf.
-        """
-        self._param_names.watch(model_or_named_parameters)
+        """Remember parameter names so overflows can be attributed to them, in :attr:`stats` and
+        in errors: free on clean steps, the same list on every rank, sharded gradients checked
+        where they live (:class:`~amp_trainer.overflow_attribution.OverflowAttribution` says
+        how). Returns ``self`` so it chains off the constructor."""
+        self._attribution.names.watch(model_or_named_parameters)
         return self
 
     # ----------------------------------------------------------------------------------------
     # the step protocol
     # ----------------------------------------------------------------------------------------
     def _device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self._device_cache.get(device)
-        if cached is None or cached[0] != self._scale:
-            scale = torch.full((), self._scale, dtype=torch.float32, device=device)
-            # The reciprocal is taken in float64, then rounded, as torch does: an FP32
-            # division can be imprecise under some compile options.
-            inv_scale = torch.full((), 1.0 / self._scale, dtype=torch.float64).to(torch.float32)
-            cached = (self._scale, scale, inv_scale.to(device))
-            self._device_cache[device] = cached
-        return cached[1], cached[2]
+        return self._device_cache.on(device, self._scale)
 
     def scale(self, outputs: Any) -> Any:
         """Multiply a tensor (or a list/tuple/iterable of them) by the scale.
@@ -383,10 +266,8 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return outputs
-        self._scale_calls += 1
-        if self._carried:
-            self._drop_carried()
-        request, self._underflow_request = self._underflow_request, None
+        self._stages.scaled()
+        request = self._underflow.take_request()
         if request is not None and isinstance(outputs, torch.Tensor) and outputs.requires_grad:
             self.check_underflow(outputs, request)
         if isinstance(outputs, torch.Tensor):
@@ -398,12 +279,6 @@ class DynamicLossScaler:
         raise ValueError(
             f"scale() expects a Tensor or an iterable of Tensors, got {type(outputs).__name__}"
         )
-
-    def _drop_carried(self) -> None:
-        """A new backward begins: unscaled-but-never-stepped states from before are stale."""
-        for key in [k for k, s in self._per_optimizer.items() if s["counted"]]:
-            del self._per_optimizer[key]
-        self._carried = False
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale and decide whether this step overflowed.
@@ -419,54 +294,29 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return
-        state = self._per_optimizer[id(optimizer)]
-        if state["stage"] is _Stage.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update(); "
-                "gradients would be divided by the scale twice. Call it once per step, before "
-                "step()."
-            )
-        if state["stage"] is _Stage.STEPPED:
-            raise RuntimeError(
-                "unscale_() is being called after step(); call update() to finish the "
-                "iteration first."
-            )
-
+        state = self._stages.of(optimizer)
+        self._stages.check_unscale(state)
         groups, never_scaled = self._gradients(optimizer)
-        if never_scaled:
-            # All-zero gradients no scale() produced: torch.distributed.checkpoint's
-            # _init_optim_state (Accelerate's FSDP2 load_state) steps once with zero grads
-            # and lr 0 to create the optimizer state. Zero is the same scaled or not, so the
-            # step runs as asked; it is no training step, so update() will not count it and
-            # no rank joins a collective for it (every rank runs the same dummy step).
-            state.update(found_inf=False, stage=_Stage.UNSCALED, passthrough=True)
+        if never_scaled:  # all zero, so DCP's dummy step (OptimizerStages.passed_through)
+            self._stages.passed_through(state)
             return
         self._unscale_groups(optimizer, state, groups)
 
     def _gradients(self, optimizer: torch.optim.Optimizer) -> tuple[GradientGroups, bool]:
         """``optimizer``'s gradients by device and dtype, and whether no :meth:`scale` produced
         them (then they must be all zero, :meth:`unscale_` says why); FP16 ones are refused."""
-        groups, half_grads = group_gradients(optimizer, self._param_names)
-        never_scaled = bool(groups) and self._scale_calls == self._scale_calls_at_unscale.get(
-            id(optimizer), 0
-        )
+        groups, half_grads = group_gradients(optimizer, self._attribution.names)
+        never_scaled = bool(groups) and self._stages.never_scaled(optimizer)
         if never_scaled and not all_zero(groups):
-            self._raise_unscaled_gradients(optimizer)
+            raise unscaled_gradients_error(self._scale)
         if half_grads:
-            raise ValueError(
-                "Attempting to unscale FP16 gradients of "
-                f"{len(half_grads)} parameter(s): {describe_names(half_grads)}. "
-                "Mixed-precision training needs FP32 master weights: keep trainable "
-                "parameters in float32 (autocast runs the maths in FP16) - e.g. "
-                "amp_trainer.precision.cast_trainable_params_to_fp32(model) - and load "
-                "models without dtype=torch.float16 for training."
-            )
+            raise half_gradients_error(half_grads)
         return groups, never_scaled
 
     def _unscale_groups(
         self,
         optimizer: torch.optim.Optimizer,
-        state: dict[str, Any],
+        state: OptimizerStage,
         groups: GradientGroups,
     ) -> bool:
         """Check and divide ``groups`` (from :meth:`_gradients`) in one fused pass; the verdict."""
@@ -476,46 +326,20 @@ class DynamicLossScaler:
         return overflow
 
     def _mark_unscaled(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], overflow: bool
+        self, optimizer: torch.optim.Optimizer, state: OptimizerStage, overflow: bool
     ) -> None:
-        state["found_inf"] = overflow
-        state["stage"] = _Stage.UNSCALED
-        self._scale_calls_at_unscale[id(optimizer)] = self._scale_calls
-        is_distributed = distributed(self.process_group)
-        if overflow and (self._param_names or self.policy.at_min_scale() or is_distributed):
-            # Attribution runs only here, on overflow steps: clean steps pay nothing for it.
-            # Distributed, every rank attributes (the verdict is the all-reduced one, so all of
-            # them get here together) and joins the gather of the names.
-            self._last_overflow_params = non_finite_parameters(
-                optimizer, self._param_names, self.process_group if is_distributed else False
+        self._stages.unscaled(optimizer, state, overflow)
+        if overflow:  # attribution runs only here: clean steps pay nothing for it
+            self._attribution.attribute(
+                optimizer,
+                self.process_group,
+                distributed=distributed(self.process_group),
+                needed=self.policy.at_min_scale(),
             )
 
-    def _raise_unscaled_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """The gradients came from a backward that bypassed :meth:`scale`: refuse to divide them.
-
-        What we can see: no ``scale()`` call at all since this optimizer last unscaled (or ever).
-        What we cannot: a plain ``loss.backward()`` in an iteration that also scaled another loss,
-        or stale gradients left from an earlier step without ``zero_grad()``.
-        """
-        raise RuntimeError(
-            "The optimizer holds gradients but scaler.scale() was not called since they were "
-            "last unscaled (or ever): they were never multiplied by the loss scale "
-            f"{self._scale:g} (a plain loss.backward()?), and dividing them by it would apply an "
-            "update "
-            f"{self._scale:g}x too small. Use scaler.scale(loss).backward() "
-            "(accelerator.backward(loss) under Accelerate), or DynamicLossScaler(enabled=False) "
-            "for unscaled training."
-        )
-
     def _reduce_found_inf(self, found: list[torch.Tensor]) -> bool:
-        return reduce_found_inf(found, self.process_group, self._fallback_device())
-
-    def _fallback_device(self) -> torch.device:
-        if self._device_cache:
-            return next(iter(self._device_cache))
-        if self._device_type == "cuda" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        fallback = self._device_cache.any_device(self._device_type)
+        return reduce_found_inf(found, self.process_group, fallback)
 
     def clip_grad_norm_(
         self,
@@ -537,19 +361,19 @@ class DynamicLossScaler:
             p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
         ]
         if self._enabled:
-            state = self._per_optimizer[id(optimizer)]
-            if state["stage"] is _Stage.READY:
+            state = self._stages.of(optimizer)
+            if state.stage is Stage.READY:
                 norm = self.clip_grad_norm_in_one_pass(
                     optimizer, params, max_norm, norm_type, foreach=foreach
                 )
                 if norm is not None:
                     return norm
                 self.unscale_(optimizer)
-            elif state["stage"] is _Stage.STEPPED:
+            elif state.stage is Stage.STEPPED:
                 raise RuntimeError(
                     "clip_grad_norm_() is being called after step(); clip before it."
                 )
-            if state["found_inf"]:
+            if state.found_inf:
                 device = params[0].device if params else torch.device("cpu")
                 return torch.full((), math.inf, device=device)
         return nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
@@ -563,51 +387,37 @@ class DynamicLossScaler:
         *,
         foreach: bool | None = None,
     ) -> torch.Tensor | None:
-        """Unscale ``optimizer``'s still-scaled gradients and clip ``params``' in one pass.
-
-        The gradients are read twice and written once instead of three reads and two writes
-        (:func:`~amp_trainer.grad_unscale.one_pass_clip_factor` says why that is exact); with a
-        power-of-two scale the result is bit-identical to unscale-then-clip (and to
-        ``torch.amp.GradScaler.unscale_`` + ``clip_grad_norm_``), the returned norm included.
+        """Unscale ``optimizer``'s still-scaled gradients and clip ``params``' in one pass,
+        bit-identical to unscale-then-clip (:func:`~amp_trainer.grad_unscale.unscale_and_clip_`
+        says how and why).
 
         ``params`` are the parameters with gradients, in the order the norm sums them; they
         must be ``optimizer``'s. Returns the norm (``inf`` on an overflow step, nothing
         clipped), or ``None`` without touching anything when the fold would not be exact here
         (:func:`~amp_trainer.grad_unscale.one_pass_is_exact`), or the optimizer was already
-        unscaled this step: the caller then unscales and clips as usual. One device-to-host
-        read, as for :meth:`unscale_`, all-reduced like the found-inf flag so every rank takes
-        the same path; a non-finite scaled norm takes the two-pass path, which tells an inf
-        gradient from finite ones whose scaled norm overflows.
+        unscaled this step: the caller then unscales and clips as usual.
         """
         norm_type = float(norm_type)
-        state = self._per_optimizer[id(optimizer)]
+        state = self._stages.of(optimizer)
         if (
             not self._enabled
-            or state["stage"] is not _Stage.READY
+            or state.stage is not Stage.READY
             or not one_pass_is_exact(self._scale, params, norm_type)
         ):
             return None
         groups, never_scaled = self._gradients(optimizer)
         if never_scaled:  # DCP's all-zero dummy step: unscale_() passes it through
             return None
-        grads = [p.grad for p in params]
-        inv_scale = self._device_tensors(grads[0].device)[1] if grads else None
-        if inv_scale is None:
+        if not params:
             return None
-        total_norm, factor, unusual = one_pass_clip_factor(
-            grads, inv_scale, max_norm, norm_type, foreach
-        )
-        if self._reduce_found_inf([unusual.float()]):
+        inv_scale = self._device_tensors(params[0].grad.device)[1]
+        clip = (max_norm, norm_type, foreach)
+        total_norm = unscale_and_clip_(params, inv_scale, *clip, self._reduce_found_inf)
+        if total_norm is None:  # an inf/NaN, or a scaled norm that overflows: two passes tell
             if self._unscale_groups(optimizer, state, groups):
-                return torch.full((), math.inf, device=total_norm.device)
+                return torch.full((), math.inf, device=params[0].grad.device)
             return nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=foreach)
         self._mark_unscaled(optimizer, state, False)
-        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for grad in grads:
-            by_device[grad.device].append(grad)
-        with torch.no_grad():
-            for device, device_grads in by_device.items():
-                torch._foreach_mul_(device_grads, factor.to(device))
         return total_norm
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -624,21 +434,17 @@ class DynamicLossScaler:
                 "step() with a closure is not supported when loss scaling is enabled: the closure "
                 "would re-run backward on an unscaled loss."
             )
-        state = self._per_optimizer[id(optimizer)]
-        if state["stage"] is _Stage.STEPPED:
+        state = self._stages.of(optimizer)
+        if state.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if state["stage"] is _Stage.READY:
+        if state.stage is Stage.READY:
             self.unscale_(optimizer)
         result = None
-        if not state["found_inf"]:
+        if not state.found_inf:
             result = optimizer.step(*args, **kwargs)
-        state["stage"] = _Stage.STEPPED
-        if state["passthrough"]:
-            return result  # DCP's dummy step: no training step, nothing to report
-        # With several optimizers, "skipped" means any of them skipped in this iteration.
-        self._step_was_skipped = any(
-            s["found_inf"] for s in self._per_optimizer.values() if s["stage"] is _Stage.STEPPED
-        )
+        skipped = self._stages.stepped(state)
+        if not state.passthrough:  # DCP's dummy step: no training step, nothing to report
+            self._step_was_skipped = skipped
         return result
 
     # ----------------------------------------------------------------------------------------
@@ -656,53 +462,15 @@ class DynamicLossScaler:
         if not self._enabled:
             return
         if new_scale is not None:
-            if isinstance(new_scale, torch.Tensor):
-                if new_scale.numel() != 1:
-                    raise ValueError(
-                        f"new_scale must hold one element, got shape {tuple(new_scale.shape)}"
-                    )
-                new_scale = float(new_scale.item())
-            self.policy.set_scale(new_scale)
-            self._per_optimizer.clear()
-            self._carried = False
+            self.policy.set_scale(_plain_scale(new_scale))
+            self._stages.reset()
             return
-
-        states = self._per_optimizer
-        dummies = [key for key, s in states.items() if s["passthrough"]]
-        for key in dummies:
-            del states[key]
-        if dummies and not any(s["found_inf"] is not None for s in states.values()):
-            # Only torch.distributed.checkpoint's zero-gradient step (see unscale_()) ran since
-            # the last update(): no training step happened, so the scale policy has nothing to
-            # act on. torch's GradScaler counts it as a clean step (accelerate#4289).
+        settled = self._stages.settle()
+        if settled is None:
             return
-        if not any(s["found_inf"] is not None for s in states.values()):
-            raise RuntimeError(
-                "update() found no inf checks recorded since the last update(): call "
-                "scaler.step(optimizer) (or unscale_) for each optimizer before update()."
-            )
-        verdicts = [s["found_inf"] for s in states.values() if s["found_inf"] is not None]
-        fresh = [
-            v for s in states.values() if (v := s["found_inf"]) is not None and not s["counted"]
-        ]
-        # Accelerate steps and updates one optimizer at a time. An optimizer unscaled (to clip)
-        # but not stepped yet keeps its unscaled gradients and verdict for its own step(), so
-        # they are not divided twice; its verdict counts in this update only (as in torch, the
-        # scale backs off once). A new backward (the next scale() call) drops what is left.
-        carried = {
-            key: {**s, "counted": True}
-            for key, s in states.items()
-            if s["stage"] is _Stage.UNSCALED
-        }
-        states.clear()
-        states.update(carried)
-        self._carried = bool(carried)
-        if not fresh and verdicts:
-            # Only verdicts an earlier update() already acted on: nothing new to decide.
-            self._step_was_skipped = any(verdicts)
+        self._step_was_skipped = overflow = settled.overflow
+        if not settled.fresh:  # only verdicts an earlier update() already acted on
             return
-        overflow = any(fresh)
-        self._step_was_skipped = overflow
         decision = self.policy.record(overflow)
         if not overflow:
             self._warned_this_streak = False
@@ -717,24 +485,10 @@ class DynamicLossScaler:
 
     def _overflow_at_min_scale(self) -> None:
         """An overflow at ``min_scale`` with hysteresis spent: what ``on_min_scale`` says."""
-        policy = self.policy
-        if policy.on_min_scale == "clamp":
+        if self.policy.on_min_scale == "clamp":
             return
-        where = (
-            "Parameters with non-finite gradients: "
-            f"{describe_names(list(self._last_overflow_params))}."
-            if self._last_overflow_params
-            else "No gradient was attributed (call scaler.watch(model) to name them)."
-        )
-        message = (
-            f"Gradients overflowed at the minimum loss scale {policy.min_scale:g} "
-            f"({policy.overflow_streak} overflowing step(s) in a row). {where} Loss scaling "
-            "cannot fix this: the values are inf/NaN before scaling. Next triage step: rerun the "
-            "same batch in pure FP32 (`amp-trainer doctor`): if it is NaN there too, the bug is in "
-            "the model, data or learning rate; if not, keep the overflowing module in FP32 or "
-            "switch to bf16 (or, to let the scale go lower, pass a smaller min_scale)."
-        )
-        if policy.on_min_scale == "raise":
+        message = _min_scale_message(self.policy, self._attribution.last_params)
+        if self.policy.on_min_scale == "raise":
             raise LossScaleError(message)
         if not self._warned_this_streak:
             logger.warning("%s Skipping steps until the gradients are finite again.", message)
@@ -746,19 +500,14 @@ class DynamicLossScaler:
         scaling), and take that backoff out of ``stats.backoffs``. The step stays skipped and
         counted as such. Does nothing when the scale did not go down."""
         if self._enabled and self.policy.undo_backoff(scale):
-            # As update(new_scale=...): a scale set between iterations starts the next afresh.
-            self._per_optimizer.clear()
-            self._carried = False
+            self._stages.reset()  # as update(new_scale=...): the next iteration starts afresh
 
     def record_forward_overflow(self, modules: Iterable[str]) -> None:
         """The step just skipped was a forward overflow in ``modules`` (what
         :class:`~amp_trainer.forward_overflow.ForwardOverflowGuard` found): they become
         ``stats.last_forward_overflow_modules`` (kept when ``modules`` is empty: none found),
         and ``stats.last_overflow_params``, which would list every parameter, is emptied."""
-        names = tuple(modules)
-        if names:
-            self._last_forward_overflow_modules = names
-        self._last_overflow_params = ()
+        self._attribution.forward_overflow(modules)
 
     # ----------------------------------------------------------------------------------------
     # checkpointing
@@ -773,9 +522,8 @@ class DynamicLossScaler:
             return {}
         return {
             **self.policy.state_dict(),
-            "last_overflow_params": list(self._last_overflow_params),
-            "last_forward_overflow_modules": list(self._last_forward_overflow_modules),
-            "version": _STATE_VERSION,
+            **self._attribution.state_dict(),
+            "version": STATE_VERSION,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -786,36 +534,10 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"load_state_dict() expects a mapping, got {type(state_dict).__name__}")
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved from a disabled "
-                "scaler (enabled=False)."
-            )
-        version = state_dict.get("version", _STATE_VERSION)
-        if isinstance(version, bool) or not isinstance(version, int) or version > _STATE_VERSION:
-            raise ValueError(
-                f"scaler state 'version' {version!r} is newer than this amp-trainer reads "
-                f"(versions up to {_STATE_VERSION}): upgrade amp-trainer to resume it"
-            )
-        # torch's state dict may hold 1-element tensors where ours holds numbers.
-        plain = {
-            key: value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-            for key, value in state_dict.items()
-        }
-        names = {
-            key: plain.get(key, [])
-            for key in ("last_overflow_params", "last_forward_overflow_modules")
-        }
-        for key, value in names.items():
-            if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
-                raise TypeError(f"scaler state {key!r} must be a list of str, got {value!r}")
+        plain, names = read_state(state_dict)
         self.policy = self.policy.restored(plain)  # validates everything, raises before this
-        self._last_overflow_params = tuple(names["last_overflow_params"])
-        self._last_forward_overflow_modules = tuple(names["last_forward_overflow_modules"])
-        self._per_optimizer.clear()
-        self._carried = False
+        self._attribution.load_state_dict(names)
+        self._stages.reset()
         self._device_cache.clear()
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
@@ -833,28 +555,44 @@ class DynamicLossScaler:
         return self._device_type
 
     def __getstate__(self) -> dict[str, Any]:
-        # Mid-iteration (after unscale_/step, before update) the copy could not know which
-        # gradients are already unscaled and would divide them again: refuse, as torch does.
-        if self._enabled and any(
-            s["stage"] is not _Stage.READY for s in self._per_optimizer.values()
-        ):
-            raise RuntimeError(
-                "A DynamicLossScaler may only be pickled or deep-copied at the beginning of an "
-                "iteration or after scaler.update(), not between unscale_()/step() and update() "
-                "(nor while an optimizer unscaled before another's update() awaits its step())."
-            )
+        if self._enabled:
+            self._stages.check_copyable()
         # Device tensors, the process group and everything keyed by object id are runtime-only:
         # a pickled scaler (e.g. sent to a worker) starts its next iteration fresh.
         state = self.__dict__.copy()
-        state["_device_cache"] = {}
-        state["_per_optimizer"] = defaultdict(self._fresh_optimizer_state)
+        state["_device_cache"] = ScaleTensors()
+        state["_stages"] = self._stages.for_copy()
         state["process_group"] = None
-        state["_param_names"] = ParameterNames()
-        state["_scale_calls_at_unscale"] = {}
-        state["_carried"] = False
+        state["_attribution"] = self._attribution.for_copy()
         return state
 
     def __repr__(self) -> str:
         if not self._enabled:
             return f"{type(self).__name__}(enabled=False)"
         return f"{type(self).__name__}({repr(self.policy).partition('(')[2]}"
+
+
+def _plain_scale(new_scale: float | torch.Tensor) -> float:
+    """``update(new_scale)``'s value as a float; a tensor must hold one element (as torch's)."""
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1:
+            raise ValueError(f"new_scale must hold one element, got shape {tuple(new_scale.shape)}")
+        return float(new_scale.item())
+    return new_scale
+
+
+def _min_scale_message(policy: ScalePolicy, params: tuple[str, ...]) -> str:
+    """Why the scale cannot go lower, which parameters overflowed, and the next triage step."""
+    where = (
+        f"Parameters with non-finite gradients: {describe_names(list(params))}."
+        if params
+        else "No gradient was attributed (call scaler.watch(model) to name them)."
+    )
+    return (
+        f"Gradients overflowed at the minimum loss scale {policy.min_scale:g} "
+        f"({policy.overflow_streak} overflowing step(s) in a row). {where} Loss scaling "
+        "cannot fix this: the values are inf/NaN before scaling. Next triage step: rerun the "
+        "same batch in pure FP32 (`amp-trainer doctor`): if it is NaN there too, the bug is in "
+        "the model, data or learning rate; if not, keep the overflowing module in FP32 or "
+        "switch to bf16 (or, to let the scale go lower, pass a smaller min_scale)."
+    )

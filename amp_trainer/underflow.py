@@ -31,6 +31,7 @@ the reference run at ``S_ref`` overflows, the headroom is capped below it.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from torch import nn
 from amp_trainer.numerics import FP16_MAX
 from amp_trainer.scale_policy import UNDERFLOW_TARGET
 
-__all__ = ["UnderflowReading", "measure_underflow", "setup_pitfall"]
+__all__ = ["UnderflowChecks", "UnderflowReading", "measure_underflow", "setup_pitfall"]
 
 _SMALLEST_SUBNORMAL_EXP = -24  # 2**-24, FP16's smallest subnormal
 _MAX_REFERENCE_DOUBLINGS = 40
@@ -277,3 +278,37 @@ def setup_pitfall(reading: UnderflowReading, scaling: bool) -> tuple[str, str] |
             "training'). Enable the loss scaler (DynamicLossScaler(enabled=True))."
         )
     return None
+
+
+class UnderflowChecks:
+    """A loss scaler's side of the meter: the last reading, a check requested for the next
+    loss, and the setup pitfalls already said (each once per scaler, on ``logger``).
+
+    Why a request: a caller that does not hold the loss (a Trainer callback) asks for a check,
+    and the scaler's ``scale()`` runs it on the step's exact loss (Accelerate's ``backward``
+    hands it there, gradient-accumulation division included).
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.last: UnderflowReading | None = None
+        self.requested: Any = None  # parameters to measure at the next loss
+        self._logger = logger
+        self._pitfalls_said: set[str] = set()
+
+    def take_request(self) -> Any:
+        """The parameters a check was requested for (``None`` if none), clearing the request."""
+        requested, self.requested = self.requested, None
+        return requested
+
+    def measure(
+        self, loss: torch.Tensor, params: nn.Module | Iterable[Any], scale: float, scaling: bool
+    ) -> UnderflowReading:
+        """:func:`measure_underflow` at ``scale``, kept as :attr:`last`; a setup pitfall it shows
+        (:func:`setup_pitfall`; ``scaling``: whether loss scaling is on) is warned about once."""
+        reading = measure_underflow(loss, params, scale)
+        self.last = reading
+        found = setup_pitfall(reading, scaling)
+        if found is not None and found[0] not in self._pitfalls_said:
+            self._pitfalls_said.add(found[0])
+            self._logger.warning("%s", found[1])
+        return reading

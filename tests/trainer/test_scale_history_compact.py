@@ -46,7 +46,7 @@ def _monitored_run(tmp_path, steps, *, logging_steps=None, growth_interval=10**6
     trainer = AmpTrainer(model=torch.nn.Linear(2, 1), args=args)
     # The monitor sits after stock's default callbacks (DefaultFlowCallback stays first).
     monitor = next(
-        cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "_LossScaleMonitor"
+        cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "LossScaleMonitor"
     )
     scaler, state, control = trainer.loss_scaler, trainer.state, TrainerControl()
     state.logging_steps = logging_steps or 1  # what Trainer.train() sets from the arguments

@@ -194,7 +194,7 @@ def test_an_fp16_amp_trainer_puts_its_monitor_after_stocks_default_callbacks(tmp
     stock = _trainer("stock", tmp_path, callbacks=[PlainCallback])
     amp = _trainer("amp-fp16", tmp_path, callbacks=[PlainCallback])
     expected = _callback_types(stock)
-    expected.insert(1, "_LossScaleMonitor")
+    expected.insert(1, "LossScaleMonitor")
     assert _callback_types(amp) == expected
     # transformers' test_add_remove_callback: callbacks[0] is the flow callback, by position too.
     for trainer in (stock, amp):

@@ -1,20 +1,9 @@
-"""FP32 islands: modules that compute in FP32 whatever autocast or ``.half()`` say.
+"""FP32 islands, the mechanism: which modules are norm layers, the forward wrapper that runs a
+module in FP32 under autocast or ``.half()`` and hands its output back in the expected dtype,
+and :func:`keep_in_fp32` / :func:`keep_norms_in_fp32`, which make islands.
 
-One mechanism for every "this module computes in FP32" in amp-trainer: :func:`keep_norms_in_fp32`
-(norm layers: their mean/variance reductions are where FP16 loses the most), the user's
-``fp32_modules``, transformers' ``_keep_in_fp32_modules`` (:func:`apply_fp32_policy` gathers them),
-the trainer's forward-overflow fallback (:mod:`amp_trainer.forward_overflow`) and the FP16
-exporter's overflow guard. An island keeps FP32 parameters *and* arithmetic: its ``forward`` runs
-with autocast off on FP32 inputs and hands its output back in the dtype the surrounding code
-expects.
-
-Islands are recorded in ``model.config`` (:data:`ISLANDS_CONFIG_KEY`) so a saved model, every
-Trainer checkpoint and an FP16 export carry them.
-
-Example::
-
-    keep_norms_in_fp32(model)
-    keep_in_fp32(model, ["lm_head"])          # names, dotted suffixes, globs or regexes
+Which islands a training run needs and how they travel with the model is
+:mod:`amp_trainer.islands.records`.
 """
 
 from __future__ import annotations
@@ -23,7 +12,7 @@ import fnmatch
 import logging
 import re
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,18 +21,12 @@ from torch import nn
 from amp_trainer.numerics import iter_tensors
 
 __all__ = [
-    "ISLANDS_CONFIG_KEY",
-    "apply_fp32_policy",
-    "declared_fp32_modules",
-    "fp32_islands",
     "is_fp32_island",
     "is_norm_module",
+    "is_within",
     "keep_in_fp32",
     "keep_norms_in_fp32",
-    "record_fp32_islands",
-    "recorded_fp32_islands",
     "remove_fp32_island",
-    "restore_fp32_islands",
 ]
 
 logger = logging.getLogger(__name__)
@@ -446,7 +429,8 @@ def _matches(name: str, spec: str | re.Pattern[str]) -> bool:
     return False
 
 
-def _inside(name: str, outer: str) -> bool:
+def is_within(name: str, outer: str) -> bool:
+    """Module ``name`` is ``outer`` or inside it (``""``, the root, holds every module)."""
     return outer == "" or name == outer or name.startswith(outer + ".")
 
 
@@ -527,9 +511,9 @@ def _make_islands(
     existing = [name for name, module in named if is_fp32_island(module)]
     covered: list[str] = []
     for name in wanted:
-        if any(_inside(name, outer) for outer in covered):
+        if any(is_within(name, outer) for outer in covered):
             continue  # inside an island asked for in this call
-        outer = next((o for o in existing if _inside(name, o) and o != name), None)
+        outer = next((o for o in existing if is_within(name, o) and o != name), None)
         if outer is not None:
             covered.append(outer)  # inside an existing island: that one covers it
             continue
@@ -540,7 +524,7 @@ def _make_islands(
         inside_ids = {id(p) for island in queue for p in modules[island].parameters()}
         queue = []
         for name, module in named:
-            if any(_inside(name, c) for c in covered):
+            if any(is_within(name, c) for c in covered):
                 continue
             shared = [n for n, p in module.named_parameters(recurse=False) if id(p) in inside_ids]
             if shared:
@@ -599,115 +583,9 @@ def keep_norms_in_fp32(model: nn.Module) -> list[str]:
     for name, module in named:
         # A norm nested in a norm (a name-matched wrapper around nn.LayerNorm): the outer one
         # already runs everything inside it in FP32.
-        if is_norm_module(module) and not any(_inside(name, outer) for outer in norms):
+        if is_norm_module(module) and not any(is_within(name, outer) for outer in norms):
             norms.append(name)
     if norms:
         exact = re.compile("|".join(re.escape(name) for name in norms))
         keep_in_fp32(model, exact, autocast_output="input")
     return norms
-
-
-# --------------------------------------------------------------------------------------------
-# which modules are islands in a training run, and recording them with the model
-# --------------------------------------------------------------------------------------------
-#: The ``model.config`` key under which training records its non-norm FP32 islands, so that
-#: ``save_pretrained`` (and so every Trainer checkpoint) carries them in config.json.
-ISLANDS_CONFIG_KEY = "amp_trainer_fp32_modules"
-
-
-def fp32_islands(model: nn.Module) -> list[str]:
-    """The outermost FP32 islands of ``model`` that are not norm layers: what ``fp32_modules``,
-    ``_keep_in_fp32_modules`` and the forward-overflow fallback added to the norm policy."""
-    found: list[str] = []
-    for name, module in model.named_modules():
-        if any(_inside(name, outer) for outer in found):
-            continue
-        if is_fp32_island(module) and not is_norm_module(module):
-            found.append(name)
-    return found
-
-
-def record_fp32_islands(model: nn.Module) -> list[str]:
-    """Write :func:`fp32_islands` into ``model.config`` (:data:`ISLANDS_CONFIG_KEY`); returns
-    them. A model without a transformers config is left alone."""
-    names = fp32_islands(model)
-    config = getattr(model, "config", None)
-    if config is not None and callable(getattr(config, "update", None)):
-        config.update({ISLANDS_CONFIG_KEY: names})
-    return names
-
-
-def recorded_fp32_islands(config: Any) -> list[str]:
-    """The island names a config (object or ``config.json`` dict) recorded, else ``[]``."""
-    if isinstance(config, Mapping):
-        value = config.get(ISLANDS_CONFIG_KEY)
-    else:
-        value = getattr(config, ISLANDS_CONFIG_KEY, None)
-    if value is None:
-        return []
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(
-            f"config key {ISLANDS_CONFIG_KEY!r} must be a list of module names, got {value!r}"
-        )
-    return list(value)
-
-
-def restore_fp32_islands(model: nn.Module, names: Iterable[str]) -> list[str]:
-    """Make recorded islands (exact qualified names) FP32 islands again; names the model lacks
-    are skipped with a warning (a checkpoint of another model). Returns what is covered."""
-    modules = dict(model.named_modules())
-    names = list(dict.fromkeys(names))
-    missing = [n for n in names if n not in modules]
-    if missing:
-        logger.warning("Recorded FP32 islands not in this model, ignored: %s", ", ".join(missing))
-    present = [n for n in names if n in modules]
-    if not present:
-        return []
-    logger.info("FP32 islands restored: %s", ", ".join(present))
-    return keep_in_fp32(model, [re.compile(re.escape(n)) for n in present])
-
-
-def declared_fp32_modules(model: nn.Module, precision: str) -> list[str]:
-    """transformers' own FP32 list for ``precision``: ``_keep_in_fp32_modules`` under fp16,
-    ``_keep_in_fp32_modules_strict`` under fp16 and bf16 (as ``from_pretrained`` reads them;
-    instance values first, which transformers 5 fills from every submodel)."""
-    names: list[str] = []
-    if precision == "fp16":
-        names += list(getattr(model, "_keep_in_fp32_modules", None) or ())
-    if precision in ("fp16", "bf16"):
-        names += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    return list(dict.fromkeys(n for n in names if isinstance(n, str)))
-
-
-def apply_fp32_policy(
-    model: nn.Module,
-    precision: str,
-    *,
-    norms: bool = True,
-    modules: str | Iterable[str | re.Pattern[str]] = (),
-) -> list[str]:
-    """Every FP32 island a ``precision`` training run needs, in one call (Trainer, Accelerate).
-
-    Under fp16/bf16: the norm layers (``norms``), the model's declared FP32 modules
-    (:func:`declared_fp32_modules`), the islands recorded in its config by an earlier run
-    (:data:`ISLANDS_CONFIG_KEY`: a model saved after the forward-overflow fallback added some) and
-    the user's ``modules`` (names or patterns; one that matches nothing is a ``ValueError``).
-    Under fp32 nothing is needed, and nothing is done. Idempotent; records the non-norm islands
-    in the config and returns them.
-    """
-    if precision not in ("fp16", "bf16"):
-        return []
-    if norms:
-        keep_norms_in_fp32(model)
-    declared = declared_fp32_modules(model, precision)
-    if declared:
-        keep_in_fp32(model, declared, missing_ok=True)
-    recorded = recorded_fp32_islands(getattr(model, "config", None))
-    if recorded:
-        restore_fp32_islands(model, recorded)
-    wanted = [modules] if isinstance(modules, (str, re.Pattern)) else list(modules)
-    if wanted:
-        keep_in_fp32(model, wanted)
-    if declared or recorded or wanted or fp32_islands(model):
-        return record_fp32_islands(model)
-    return []

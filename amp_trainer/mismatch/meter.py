@@ -1,27 +1,9 @@
-"""The precision-mismatch meter: how far FP16 and BF16 token log-probs are from FP32.
+"""The precision-mismatch meter's measurement: :func:`measure_precision_mismatch` on one batch,
+its figures (:class:`MismatchStats`, :class:`MismatchReport`) and their table.
 
-RL fine-tuning (PPO, GRPO) divides the trained policy's probability of each sampled token by the
-probability the sampler gave it. When both run the same weights in a low precision, rounding
-alone moves that ratio off 1: BF16 keeps 7 mantissa bits, FP16 10, so BF16's log-probs sit
-several times further from the exact ones (arXiv 2510.26788 reports up to ~24x less mismatch in
-FP16). This module measures that part of the rollout/train gap and nothing else: the same model,
-the same tokens, one forward in FP32 and one per precision under autocast.
-
-* :func:`measure_precision_mismatch` answers for one batch, e.g. before choosing a precision
-  for a run or a rollout engine (``amp-trainer mismatch`` is its command line).
-* :class:`PrecisionMismatchCallback` measures a training run's own completions every N steps,
-  in the run's precision and the alternative one, and logs ``mismatch/<precision>/<figure>``
-  with the Trainer's logs.
-
-Example::
-
-    stats = measure_precision_mismatch(model, input_ids, attention_mask)
-    print(stats)  # the table
-    stats["bf16"].mean_abs_logprob_diff / stats["fp16"].mean_abs_logprob_diff  # ~8 here
-
-A precision whose logits come out inf/NaN is reported as such (``nonfinite``), with the module
-that overflowed first named (:class:`~amp_trainer.numerics.OverflowProbe`), and its figures are
-NaN: a mean over the finite tokens would hide exactly the tokens that matter.
+The checks and the measuring steps below that have public names are shared with
+:class:`~amp_trainer.mismatch.callback.PrecisionMismatchCallback`, which measures a training
+run's own batches with them; they are not part of the package's API (``__all__``).
 """
 
 from __future__ import annotations
@@ -36,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
 
 from amp_trainer.forward_overflow import NonFiniteForwardError
 from amp_trainer.numerics import OverflowProbe, describe_module, describe_names
@@ -46,7 +27,6 @@ __all__ = [
     "FIGURES",
     "MismatchReport",
     "MismatchStats",
-    "PrecisionMismatchCallback",
     "format_mismatch_table",
     "measure_precision_mismatch",
 ]
@@ -58,9 +38,6 @@ logger = logging.getLogger(__name__)
 FIGURES = ("mean_abs_logprob_diff", "max_abs_logprob_diff", "kl", "clip_rate", "nonfinite")
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _IGNORE_INDEX = -100  # transformers' "not a target" label
-# Forward keywords of a captured training batch that the meter cannot reproduce (the image or
-# embedding inputs of a multimodal or soft-prompt model): such a batch is not measured.
-_TEXT_ONLY = ("pixel_values", "inputs_embeds", "input_features", "input_values")
 
 
 @dataclass(frozen=True)
@@ -120,7 +97,7 @@ class MismatchReport(dict[str, MismatchStats]):
 # --------------------------------------------------------------------------------------------
 # checks
 # --------------------------------------------------------------------------------------------
-def _check_precisions(precisions: Any) -> tuple[str, ...]:
+def check_precisions(precisions: Any) -> tuple[str, ...]:
     if isinstance(precisions, str):
         precisions = (precisions,)
     try:
@@ -137,7 +114,7 @@ def _check_precisions(precisions: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _check_number(name: str, value: Any, low: float, high: float) -> float:
+def check_number(name: str, value: Any, low: float, high: float) -> float:
     """``value`` as a float in the open interval ``(low, high)``, else ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
@@ -146,7 +123,7 @@ def _check_number(name: str, value: Any, low: float, high: float) -> float:
     return float(value)
 
 
-def _check_batch_size(batch_size: Any) -> int | None:
+def check_batch_size(batch_size: Any) -> int | None:
     if batch_size is None:
         return None
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -154,7 +131,7 @@ def _check_batch_size(batch_size: Any) -> int | None:
     return batch_size
 
 
-def _check_fp32_parameters(model: nn.Module) -> None:
+def check_fp32_parameters(model: nn.Module) -> None:
     """The FP32 reference and the autocast forwards all compute from the model's weights as
     they are: weights stored in FP16/BF16 would make the "FP32" forward a low-precision one."""
     for name, param in model.named_parameters():
@@ -168,7 +145,7 @@ def _check_fp32_parameters(model: nn.Module) -> None:
             )
 
 
-def _check_causal_lm(model: nn.Module) -> None:
+def check_causal_lm(model: nn.Module) -> None:
     name = type(model).__name__
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "is_encoder_decoder", False):
@@ -220,7 +197,7 @@ def _check_tokens(
     return input_ids, attention_mask, labels
 
 
-def _scored(
+def scored(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(valid, targets)``, both ``(batch, sequence - 1)``: whether the token at ``t + 1`` is
@@ -243,7 +220,7 @@ def _scored(
 # --------------------------------------------------------------------------------------------
 # measuring
 # --------------------------------------------------------------------------------------------
-class _Tally:
+class Tally:
     """Running sums of one precision's figures over chunks, micro-batches and steps."""
 
     def __init__(self) -> None:
@@ -255,7 +232,7 @@ class _Tally:
         self.nonfinite = False
         self.modules: list[str] = []
 
-    def add(self, other: _Tally) -> None:
+    def add(self, other: Tally) -> None:
         self.abs_sum += other.abs_sum
         self.abs_max = max(self.abs_max, other.abs_max)
         self.kl_sum += other.kl_sum
@@ -288,7 +265,7 @@ class _Tally:
         )
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def device_of(model: nn.Module) -> torch.device:
     for param in model.parameters():
         return param.device
     for buffer in model.buffers():
@@ -296,7 +273,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_device_runs(precision: str, device: torch.device) -> None:
+def check_device_runs(precision: str, device: torch.device) -> None:
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(
             f"precision 'bf16' cannot run on {device} ({torch.cuda.get_device_name(device)}): it "
@@ -305,7 +282,7 @@ def _check_device_runs(precision: str, device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _measuring(model: nn.Module, device: torch.device) -> Iterator[None]:
+def measuring(model: nn.Module, device: torch.device) -> Iterator[None]:
     """No grad, eval mode, the model's own forward, the RNG streams forked; all put back.
 
     Eval mode because the figure is the deterministic policy's: dropout noise would dwarf the
@@ -346,7 +323,7 @@ def _precision_context(precision: str, device_type: str) -> Iterator[None]:
             yield
 
 
-def _forward_keywords(model: nn.Module) -> set[str]:
+def forward_keywords(model: nn.Module) -> set[str]:
     try:
         return set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
@@ -417,7 +394,7 @@ def _log_softmax_at(
     return torch.log_softmax(picked, dim=-1)
 
 
-def _measure_batch(
+def measure_batch(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -429,16 +406,16 @@ def _measure_batch(
     batch_size: int | None,
     device: torch.device,
     keywords: set[str],
-) -> dict[str, _Tally]:
-    """Tallies of one batch, ``batch_size`` rows per forward (already inside :func:`_measuring`)."""
-    tallies = {precision: _Tally() for precision in precisions}
+) -> dict[str, Tally]:
+    """Tallies of one batch, ``batch_size`` rows per forward (already inside :func:`measuring`)."""
+    tallies = {precision: Tally() for precision in precisions}
     device_type = device.type
     input_ids = input_ids.to(device)
     mask = (
         torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device).long()
     )
     labels = None if labels is None else labels.to(device)
-    valid, targets = _scored(input_ids, mask, labels)
+    valid, targets = scored(input_ids, mask, labels)
     step = batch_size or input_ids.shape[0]
     low, high = math.log1p(-clip_epsilon), math.log1p(clip_epsilon)
     for start in range(0, input_ids.shape[0], step):
@@ -511,15 +488,15 @@ def _prepare(
     """Every argument check that needs no tokens: done before any forward."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    names = _check_precisions(precisions)
-    epsilon = _check_number("clip_epsilon", clip_epsilon, 0.0, 1.0)
-    temp = _check_number("temperature", temperature, 0.0, math.inf)
-    rows = _check_batch_size(batch_size)
-    _check_causal_lm(model)
-    _check_fp32_parameters(model)
-    device = _device_of(model)
+    names = check_precisions(precisions)
+    epsilon = check_number("clip_epsilon", clip_epsilon, 0.0, 1.0)
+    temp = check_number("temperature", temperature, 0.0, math.inf)
+    rows = check_batch_size(batch_size)
+    check_causal_lm(model)
+    check_fp32_parameters(model)
+    device = device_of(model)
     for name in names:
-        _check_device_runs(name, device)
+        check_device_runs(name, device)
     return names, epsilon, temp, rows, device
 
 
@@ -575,15 +552,15 @@ def measure_precision_mismatch(
         model, precisions, clip_epsilon, temperature, batch_size
     )
     input_ids, attention_mask, labels = _check_tokens(input_ids, attention_mask, labels)
-    valid, _ = _scored(input_ids, attention_mask, labels)
+    valid, _ = scored(input_ids, attention_mask, labels)
     if not bool(valid.any()):
         raise ValueError(
             "no token to score: every row has fewer than two attended tokens"
             + (" whose label is not -100" if labels is not None else "")
         )
-    with _measuring(model, device):
-        keywords = _forward_keywords(model)
-        tallies = _measure_batch(
+    with measuring(model, device):
+        keywords = forward_keywords(model)
+        tallies = measure_batch(
             model,
             input_ids,
             attention_mask,
@@ -658,290 +635,3 @@ def format_mismatch_table(
 
 
 # --------------------------------------------------------------------------------------------
-# the training callback
-# --------------------------------------------------------------------------------------------
-def _run_precision(trainer: Any, args: Any) -> str:
-    """The precision a trainer runs: AmpTrainerMixin's resolved one, else the stock flags."""
-    precision = getattr(trainer, "precision", None)
-    if precision in PRECISIONS:
-        return str(precision)
-    if getattr(args, "fp16", False):
-        return "fp16"
-    return "bf16" if getattr(args, "bf16", False) else "fp32"
-
-
-class PrecisionMismatchCallback(TrainerCallback):
-    """Measure a training run's own completions against FP32 every ``every_n_steps`` steps.
-
-    On a sampled optimizer step the callback keeps references to the tokens of that step's
-    training forwards (a forward pre-hook on the trained model that only records, and only
-    while the model trains with gradients: generation and reference-model forwards run without
-    them), and at the step's end measures them with :func:`measure_precision_mismatch`: the
-    tokens the loss scores (``labels`` not -100 when the forward is given labels, as TRL's
-    GRPOTrainer gives them for the completion; every attended token otherwise), at GRPO's
-    ``temperature`` when the arguments have one. The figures go into the step's log, or the
-    next training log, as ``mismatch/<precision>/<figure>`` (see :data:`FIGURES`), so
-    ``state.log_history``, TensorBoard and W&B get them; ``history`` holds each measured step,
-    ``summary`` the whole run, logged as a table when training ends.
-
-    The measurement is invisible to training: no gradients, eval mode for its own forwards
-    only, RNG streams forked; a run with the callback ends with the parameters of the run
-    without it, bit for bit (``tests/precision/test_precision_mismatch.py``). It costs three
-    forwards of the step's batch (FP32 and two precisions) every ``every_n_steps`` steps.
-
-    Why a hook on the model and not the batch: Trainer hands callbacks no batch, and TRL's
-    GRPOTrainer builds its completions inside ``training_step``; the model's forward is the one
-    place every Trainer shows its tokens. Why ``attach``: a callback is handed no trainer either,
-    and logging into the step's log needs the callback to come before the reporting
-    integrations' (TensorBoard, W&B) in the trainer's list. :class:`~amp_trainer.AmpTrainerMixin`
-    trainers attach the ones passed in ``callbacks=`` themselves; with any other Trainer::
-
-        trainer = GRPOTrainer(...)
-        PrecisionMismatchCallback(every_n_steps=10).attach(trainer)
-
-    Args:
-        every_n_steps: measure the optimizer steps whose number is a multiple of it.
-        precisions: what to measure; default the run's precision and the alternative one
-            (``("fp16", "bf16")`` for an fp16 run, ``("bf16", "fp16")`` for bf16, both for
-            fp32), leaving out one the device cannot run (bf16 on a GPU without it).
-        clip_epsilon: the clip range of ``clip_rate``; default the run's ``epsilon`` (GRPO's),
-            else 0.2.
-        batch_size: rows per measuring forward (default: each training forward's batch).
-
-    The figures are the local process's batch (each rank measures its own).
-    """
-
-    def __init__(
-        self,
-        every_n_steps: int = 10,
-        precisions: Sequence[str] | None = None,
-        *,
-        clip_epsilon: float | None = None,
-        batch_size: int | None = None,
-    ) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
-            raise TypeError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}")
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}")
-        self.every_n_steps = every_n_steps
-        self.precisions = None if precisions is None else _check_precisions(precisions)
-        self.clip_epsilon = (
-            None if clip_epsilon is None else _check_number("clip_epsilon", clip_epsilon, 0.0, 1.0)
-        )
-        self.batch_size = _check_batch_size(batch_size)
-        #: ``{"step": n, precision: MismatchStats, ...}`` for every measured step.
-        self.history: list[dict[str, Any]] = []
-        self._trainer: Any = None
-        self._handle: Any = None
-        self._recording = False
-        self._captured: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
-        self._pending: dict[str, float] = {}
-        self._run: dict[str, _Tally] = {}
-        self._nonfinite_steps: dict[str, list[int]] = {}
-        self._active: tuple[str, ...] = ()
-        self._epsilon = 0.2
-        self._temperature = 1.0
-        self._warned: set[str] = set()
-
-    # -- wiring ------------------------------------------------------------------------------
-    def attach(self, trainer: Any) -> PrecisionMismatchCallback:
-        """Bind to ``trainer`` and put this callback first in its callback list (added if not
-        there), so that the figures are in each log before any integration reports it."""
-        callbacks = trainer.callback_handler.callbacks
-        if self in callbacks:
-            callbacks.remove(self)
-        callbacks.insert(0, self)
-        self._trainer = trainer
-        return self
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        trainer = self._trainer
-        if trainer is None:
-            raise RuntimeError(
-                "PrecisionMismatchCallback is not attached to its trainer, so its figures could "
-                "not reach the logs: call PrecisionMismatchCallback(...).attach(trainer) instead "
-                "of passing it in callbacks= (AmpTrainerMixin trainers attach it themselves)."
-            )
-        model = trainer.model
-        _check_causal_lm(model)
-        _check_fp32_parameters(model)
-        device = _device_of(model)
-        run = _run_precision(trainer, args)
-        if self.precisions is not None:
-            for name in self.precisions:
-                _check_device_runs(name, device)
-            self._active = self.precisions
-        else:
-            wanted = {"fp16": ("fp16", "bf16"), "bf16": ("bf16", "fp16")}.get(run, ("fp16", "bf16"))
-            self._active = tuple(p for p in wanted if self._runs_on(p, device))
-        epsilon = self.clip_epsilon
-        if epsilon is None:
-            run_epsilon = getattr(args, "epsilon", None)  # GRPO's (and PPO's) clip range
-            epsilon = run_epsilon if isinstance(run_epsilon, float) and 0 < run_epsilon < 1 else 0.2
-        self._epsilon = float(epsilon)
-        temperature = getattr(args, "temperature", None)
-        self._temperature = (
-            float(temperature) if isinstance(temperature, (int, float)) and temperature > 0 else 1.0
-        )
-        self.history = []
-        self._run = {p: _Tally() for p in self._active}
-        self._nonfinite_steps = {p: [] for p in self._active}
-        self._pending = {}
-        self._remove_hook()
-        self._handle = model.register_forward_pre_hook(self._capture, with_kwargs=True)
-        logger.info(
-            "Precision mismatch: measuring %s against FP32 every %d step(s) (run: %s)",
-            ", ".join(self._active),
-            self.every_n_steps,
-            run,
-        )
-
-    @staticmethod
-    def _runs_on(precision: str, device: torch.device) -> bool:
-        try:
-            _check_device_runs(precision, device)
-        except ValueError as err:
-            logger.warning("Precision mismatch: not measuring %s: %s", precision, err)
-            return False
-        return True
-
-    def _capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook: keep references to a training forward's tokens (no copy, no sync)."""
-        if not (self._recording and module.training and torch.is_grad_enabled()):
-            return
-        if any(kwargs.get(name) is not None for name in _TEXT_ONLY):
-            self._warn_once(
-                "inputs",
-                "a training forward carries image/embedding inputs, which the meter cannot "
-                "reproduce: such batches are not measured",
-            )
-            return
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            return
-        attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        labels = kwargs.get("labels")
-        self._captured.append(
-            (
-                input_ids,
-                attention_mask if isinstance(attention_mask, torch.Tensor) else None,
-                labels if isinstance(labels, torch.Tensor) else None,
-            )
-        )
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning("Precision mismatch: %s.", message)
-
-    def _remove_hook(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-    # -- per step ----------------------------------------------------------------------------
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._captured = []
-        self._recording = (state.global_step + 1) % self.every_n_steps == 0
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if not self._recording:
-            return
-        self._recording = False
-        batches, self._captured = self._captured, []
-        if not batches:
-            self._warn_once(
-                "no-batch",
-                f"step {state.global_step} had no training forward with input_ids to measure",
-            )
-            return
-        step_stats = self._measure(batches)
-        if step_stats is None:
-            return
-        self.history.append({"step": state.global_step, **step_stats})
-        for name, stats in step_stats.items():
-            self._pending.update(stats.log_items())
-            if stats.nonfinite:
-                self._nonfinite_steps[name].append(state.global_step)
-                where = describe_names([repr(m) for m in stats.nonfinite_modules])
-                logger.warning(
-                    "Precision mismatch at step %d: %s logits are non-finite (first module to "
-                    "overflow: %s)",
-                    state.global_step,
-                    name,
-                    where or "no single module",
-                )
-
-    def _measure(self, batches: list[tuple[Any, Any, Any]]) -> dict[str, MismatchStats] | None:
-        model = self._trainer.model
-        device = _device_of(model)
-        step = {name: _Tally() for name in self._active}
-        with _measuring(model, device):
-            keywords = _forward_keywords(model)
-            for input_ids, attention_mask, labels in batches:
-                valid, _ = _scored(input_ids, attention_mask, labels)
-                if not bool(valid.any()):
-                    continue
-                tallies = _measure_batch(
-                    model,
-                    input_ids,
-                    attention_mask,
-                    labels,
-                    self._active,
-                    clip_epsilon=self._epsilon,
-                    temperature=self._temperature,
-                    batch_size=self.batch_size,
-                    device=device,
-                    keywords=keywords,
-                )
-                for name, tally in tallies.items():
-                    step[name].add(tally)
-        if not any(tally.tokens for tally in step.values()):
-            return None
-        for name, tally in step.items():
-            self._run[name].add(tally)
-        return {name: tally.stats(name, self._epsilon) for name, tally in step.items()}
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        """Put the pending figures into this log (a training log, not an evaluation's)."""
-        if not self._pending or logs is None or any(k.startswith("eval_") for k in logs):
-            return
-        logs.update(self._pending)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(self._pending)  # Trainer.log appended a copy of logs
-        self._pending = {}
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self._remove_hook()
-        self._recording = False
-        self._captured = []
-        if self.history:
-            logger.info("%s", self.format_summary())
-
-    # -- the run's summary -------------------------------------------------------------------
-    @property
-    def summary(self) -> MismatchReport:
-        """Every measured step of the last ``train()`` together, per precision: token-weighted
-        means, the largest difference. A precision non-finite on some steps is flagged
-        (``nonfinite``, the modules named) and its figures cover its finite steps."""
-        return MismatchReport(
-            (name, tally.stats(name, self._epsilon, finite_part=True))
-            for name, tally in self._run.items()
-            if tally.tokens
-        )
-
-    def format_summary(self) -> str:
-        """The run's summary as a table, with the steps whose logits were non-finite."""
-        steps = [entry["step"] for entry in self.history]
-        notes = [
-            f"{name}: non-finite on step(s) {', '.join(map(str, bad))}; figures cover the rest"
-            for name, bad in self._nonfinite_steps.items()
-            if bad
-        ]
-        title = (
-            f"Precision mismatch against FP32, {len(steps)} measured step(s) "
-            f"({steps[0]}..{steps[-1]}, every {self.every_n_steps}):"
-            if steps
-            else "Precision mismatch: no step measured"
-        )
-        return format_mismatch_table(self.summary, title, notes=notes)
