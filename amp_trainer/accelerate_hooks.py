@@ -380,8 +380,12 @@ class AmpAccelerator(Accelerator):
         """As upstream. Under Accelerate's FSDP2 (whose ``prepare`` shards the model without
         calling :meth:`prepare_model`) the islands and the guard go on before sharding, and the
         scaler watches the sharded parameters afterwards (FSDP2 replaces the parameter objects;
-        their names stay)."""
-        if not self.is_fsdp2:
+        their names stay).
+
+        ``distributed_type`` is read first, as upstream's ``prepare`` does: after
+        ``AcceleratorState._reset_state()`` that raises Accelerate's own message (re-create the
+        Accelerator), where ``is_fsdp2`` would say only that the attribute is missing."""
+        if not (self.distributed_type == DistributedType.FSDP and self.is_fsdp2):
             return super().prepare(*args, device_placement=device_placement)
         for obj in args:
             if isinstance(obj, torch.nn.Module):

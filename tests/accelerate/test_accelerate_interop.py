@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import ProjectConfiguration
 from torch import nn
 
@@ -333,3 +334,19 @@ def test_a_second_prepared_model_is_named_with_accelerates_model_1_prefix():
     second.bias.grad[0] = math.nan
     optimizer.step()
     assert accelerator.loss_scaler.stats.last_overflow_params == ("model_1.bias",)
+
+
+# --------------------------------------------------------------------------------------------
+# a state reset under a live accelerator: Accelerate's own message, as stock gives it
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [Accelerator, AmpAccelerator], ids=["stock", "amp"])
+def test_prepare_after_a_state_reset_says_what_accelerate_says(cls):
+    # Accelerate's own test_script.py::test_reinstantiated_state (run by its test_cpu), as is.
+    reset_accelerate_state()
+    accelerator = cls(cpu=True)
+    AcceleratorState._reset_state()  # what the user did: the accelerator's state is gone
+    with pytest.raises(AttributeError) as caught:
+        accelerator.prepare(nn.Linear(1, 1))
+    assert "`AcceleratorState` object has no attribute" in str(caught.value.args[0])
+    assert "This happens if `AcceleratorState._reset_state()`" in str(caught.value.args[0])
+    reset_accelerate_state()
