@@ -50,6 +50,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import SCALER_NAME, DistributedType
 from accelerate.utils.other import model_has_dtensor
 
+from amp_trainer.checkpointing.file_checks import check_resume_files, check_torch_file
 from amp_trainer.forward_overflow import (
     ForwardOverflow,
     ForwardOverflowGuard,
@@ -559,10 +560,16 @@ class AmpAccelerator(Accelerator):
         run ignores any ``scaler.pt``; an fp16 run loads ours or torch's, and without one starts a
         fresh scaler and says so once.
         """
+        folder = self._checkpoint_folder(input_dir)
+        if folder is not None:
+            # A damaged file is named and an unsafe one refused before anything reads it (see
+            # amp_trainer.checkpointing.file_checks): upstream's loaders say neither.
+            check_resume_files(folder)
+            if (folder / SCALER_NAME).is_file():
+                check_torch_file(folder / SCALER_NAME)
         scaler = self.loss_scaler
         if scaler is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
-        folder = self._checkpoint_folder(input_dir)
         has_state = folder is not None and _holds_scaler_state(folder / SCALER_NAME)
         use = scaler
         if not scaler.is_enabled():
