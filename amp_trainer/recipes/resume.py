@@ -27,6 +27,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from amp_trainer.checkpointing.layout import checkpoint_run
 from amp_trainer.recipes.config import EXIT_INTERRUPTED, EXIT_TERMINATED, UsageError
 
 __all__ = [
@@ -153,6 +154,10 @@ def last_complete_checkpoint(folder: str | os.PathLike[str]) -> str | None:
     stopped while saving (Ctrl-C, preemption) would be resumed from a half-written folder and fail
     on ``trainer_state.json`` (or load half-written weights); a skipped one is named in a warning
     with the one taken instead.
+
+    Only the checkpoints of the run started last in ``folder`` count (see
+    :func:`_earlier_runs_checkpoints`): after ``--reuse_output_dir true``, the previous run's
+    higher steps are not this run's to resume.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -161,16 +166,24 @@ def last_complete_checkpoint(folder: str | os.PathLike[str]) -> str | None:
         ((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.fullmatch(p.name))),
         reverse=True,
     )
+    others = _earlier_runs_checkpoints([p for _, p in steps if p.is_dir()])
     skipped: list[tuple[Path, str]] = []
     found: str | None = None
     for _, path in steps:
-        if not path.is_dir():
+        if not path.is_dir() or path in others:
             continue
         missing = _why_incomplete(path)
         if missing is None:
             found = str(path)
             break
         skipped.append((path, missing))
+    if others and found is not None:
+        logger.info(
+            "%s holds checkpoints of an earlier run (%s): resuming the run started last, %s",
+            folder,
+            ", ".join(sorted(p.name for p in others)),
+            Path(found).name,
+        )
     for path, missing in skipped:
         logger.warning(
             "%s is incomplete (%s; interrupted while saving?): skipped; %s",
@@ -179,6 +192,21 @@ def last_complete_checkpoint(folder: str | os.PathLike[str]) -> str | None:
             f"the last complete one is {found}" if found else "no complete one is left",
         )
     return found
+
+
+def _earlier_runs_checkpoints(paths: list[Path]) -> set[Path]:
+    """The complete checkpoints among ``paths`` that an earlier run than the last one wrote.
+
+    Every checkpoint names the run that wrote it
+    (:func:`~amp_trainer.checkpointing.layout.checkpoint_run`: each ``train`` call, resumes
+    included, numbers itself one above the checkpoints it finds). Why: a new run in a reused
+    output folder saves ``checkpoint-2`` beside the previous run's ``checkpoint-4``; the highest
+    step is the previous run's, and resuming it would train (or, finished, save) the previous
+    run's model over this one's.
+    """
+    runs = {path: checkpoint_run(path) for path in paths if _why_incomplete(path) is None}
+    latest = max(runs.values(), default=0)
+    return {path for path, run in runs.items() if run < latest}
 
 
 def _next_free(folder: Path) -> Path:
