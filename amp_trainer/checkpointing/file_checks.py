@@ -34,6 +34,7 @@ import contextlib
 import io
 import json
 import pickle
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,8 +102,8 @@ def load_error_reason(err: BaseException) -> str:
     text = " ".join(str(err).split())
     if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
         return (
-            "it holds objects other than plain numbers and tensors (refused unread: loading it "
-            "could run code)"
+            "it holds objects other than plain numbers and tensors; refused unread: loading it "
+            "could run code"
         )
     if isinstance(err, EOFError) or "zip archive" in text or "central directory" in text:
         return "truncated or not a torch file"
@@ -140,7 +141,14 @@ def check_torch_file(path: Path) -> None:
     except Exception as err:  # torch.load raises many types
         if is_disk_full(err):
             raise
-        raise _unreadable(path, load_error_reason(err)) from err
+        # torch.save writes a zip archive (since torch 1.6); bytes that are none fail in the
+        # unpickler with whatever the bytes happen to spell (an IndexError, "invalid load key").
+        reason = (
+            load_error_reason(err)
+            if zipfile.is_zipfile(path)
+            else "not a torch.save file: truncated, overwritten or another format"
+        )
+        raise _unreadable(path, reason) from err
 
 
 def _check_json(path: Path) -> Any:

@@ -54,21 +54,29 @@ def garbage(path: Path) -> None:
     path.write_bytes(os.urandom(200))
 
 
+NOT_TORCH = "not a torch.save file: truncated, overwritten or another format"
+# file -> damage -> (how, what the line says is wrong)
 DAMAGE = {
     "trainer_state.json": {
-        "truncated": truncate,
-        "garbage": garbage,
-        "not-a-state": lambda p: p.write_text(json.dumps({"steps": 2})),
-    },
-    "amp_trainer_state.json": {
-        "truncated": truncate,
-        "entry-without-step": lambda p: p.write_text(
-            json.dumps({"precision": "fp16", "scale_history": [{"scale": 1.0}]})
+        "truncated": (truncate, "not JSON: "),
+        "garbage": (garbage, "not text"),
+        "not-a-state": (
+            lambda p: p.write_text(json.dumps({"steps": 2})),
+            "no integer global_step: not a trainer state",
         ),
     },
-    "optimizer.pt": {"truncated": truncate, "garbage": garbage},
-    "scheduler.pt": {"truncated": truncate, "garbage": garbage},
-    "rng_state.pth": {"truncated": truncate, "garbage": garbage},
+    "amp_trainer_state.json": {
+        "truncated": (truncate, "not JSON: "),
+        "entry-without-step": (
+            lambda p: p.write_text(
+                json.dumps({"precision": "fp16", "scale_history": [{"scale": 1.0}]})
+            ),
+            "scale_history[0] is not an entry with an integer step",
+        ),
+    },
+    "optimizer.pt": {"truncated": (truncate, NOT_TORCH), "garbage": (garbage, NOT_TORCH)},
+    "scheduler.pt": {"truncated": (truncate, NOT_TORCH), "garbage": (garbage, NOT_TORCH)},
+    "rng_state.pth": {"truncated": (truncate, NOT_TORCH), "garbage": (garbage, NOT_TORCH)},
 }
 CASES = [(name, kind) for name, kinds in DAMAGE.items() for kind in kinds]
 
@@ -91,10 +99,11 @@ def assert_one_line_naming(err: BaseException, path: Path) -> str:
 def test_a_damaged_checkpoint_file_is_one_line_naming_it(saved_run, tmp_path, name, kind):
     run = Path(shutil.copytree(saved_run, tmp_path / "run"))
     path = run / "checkpoint-2" / name
-    DAMAGE[name][kind](path)
+    damage, said = DAMAGE[name][kind]
+    damage(path)
     with pytest.raises(ValueError) as caught:
         resume(run / "checkpoint-2")
-    assert_one_line_naming(caught.value, path)
+    assert said in assert_one_line_naming(caught.value, path)
 
 
 @pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt", "rng_state.pth"])
