@@ -117,10 +117,12 @@ def _unreadable(path: Path, reason: str) -> ValueError:
 @contextlib.contextmanager
 def _numpy_rng_allowed() -> Iterator[None]:
     """numpy's RNG state (in ``rng_state*.pth`` and ``random_states_*.pkl``) allowed, as
-    transformers' and Accelerate's own readers allow it."""
-    from transformers.trainer_pt_utils import safe_globals
+    transformers' and Accelerate's own readers allow it (Accelerate's list: numpy arrays and
+    dtypes, and ``codecs.encode`` for the RNG state's bytes)."""
+    import numpy as np
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
-    with safe_globals():
+    with torch.serialization.safe_globals([*TORCH_SAFE_GLOBALS, type(np.dtype(np.uint32))]):
         yield
 
 
