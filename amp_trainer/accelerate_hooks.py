@@ -50,6 +50,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import SCALER_NAME, DistributedType
 from accelerate.utils.other import model_has_dtensor
 
+from amp_trainer.checkpointing.file_checks import check_resume_files, check_torch_file
 from amp_trainer.forward_overflow import (
     ForwardOverflow,
     ForwardOverflowGuard,
@@ -380,8 +381,12 @@ class AmpAccelerator(Accelerator):
         """As upstream. Under Accelerate's FSDP2 (whose ``prepare`` shards the model without
         calling :meth:`prepare_model`) the islands and the guard go on before sharding, and the
         scaler watches the sharded parameters afterwards (FSDP2 replaces the parameter objects;
-        their names stay)."""
-        if not self.is_fsdp2:
+        their names stay).
+
+        ``distributed_type`` is read first, as upstream's ``prepare`` does: after
+        ``AcceleratorState._reset_state()`` that raises Accelerate's own message (re-create the
+        Accelerator), where ``is_fsdp2`` would say only that the attribute is missing."""
+        if not (self.distributed_type == DistributedType.FSDP and self.is_fsdp2):
             return super().prepare(*args, device_placement=device_placement)
         for obj in args:
             if isinstance(obj, torch.nn.Module):
@@ -555,10 +560,16 @@ class AmpAccelerator(Accelerator):
         run ignores any ``scaler.pt``; an fp16 run loads ours or torch's, and without one starts a
         fresh scaler and says so once.
         """
+        folder = self._checkpoint_folder(input_dir)
+        if folder is not None:
+            # A damaged file is named and an unsafe one refused before anything reads it (see
+            # amp_trainer.checkpointing.file_checks): upstream's loaders say neither.
+            check_resume_files(folder)
+            if (folder / SCALER_NAME).is_file():
+                check_torch_file(folder / SCALER_NAME)
         scaler = self.loss_scaler
         if scaler is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
-        folder = self._checkpoint_folder(input_dir)
         has_state = folder is not None and _holds_scaler_state(folder / SCALER_NAME)
         use = scaler
         if not scaler.is_enabled():

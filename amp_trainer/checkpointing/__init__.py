@@ -17,6 +17,9 @@ Stock ``Trainer`` saves ``scaler.pt`` (which holds our scaler's whole state) and
   (all of them when the checkpoint resumed is another folder's), and another run's
   ``checkpoint-N`` of the step being saved is moved to ``previous-run-checkpoints/``, not
   overwritten;
+* a damaged or unsafe file in the checkpoint resumed (truncated JSON, a torch file that is not
+  plain data, an FSDP ``.metadata`` pickle naming other classes) is one ``ValueError`` naming it,
+  before anything reads it;
 * a resumed checkpoint without its optimizer, scheduler, RNG or scaler state is one warning
   naming the files and what each costs; a damaged ``scaler.pt`` is one ``ValueError`` naming it;
 * resuming in another precision, without ``scaler.pt``, or with ``loss_scale_*`` arguments the
@@ -36,6 +39,8 @@ its own module:
   recipes apply;
 - :mod:`~amp_trainer.checkpointing.resume`: resume auditing (:class:`ResumeAudit`: a finished
   run, missing or foreign state, the scaler's state and the arguments it overrides);
+- :mod:`~amp_trainer.checkpointing.file_checks`: a checkpoint's files read safely before
+  resuming (a damaged file named, no pickled code run, FSDP's sharded folders included);
 - :mod:`~amp_trainer.checkpointing.saving`: saving (:class:`CheckpointSaver`: the amp state,
   atomic writes, a full disk, another run's checkpoints and rotation);
 - :mod:`~amp_trainer.checkpointing.callbacks`: the Trainer callbacks (the SIGTERM checkpoint).
@@ -50,6 +55,7 @@ from transformers import Trainer
 from transformers.trainer_utils import TrainOutput
 
 from amp_trainer.checkpointing.callbacks import take_over_jit_checkpoint
+from amp_trainer.checkpointing.file_checks import check_resume_files
 from amp_trainer.checkpointing.layout import AMP_STATE_FILE
 from amp_trainer.checkpointing.resume import ResumeAudit
 from amp_trainer.checkpointing.saving import CheckpointSaver
@@ -84,8 +90,15 @@ class CheckpointKeeper:
 
     # -- train() -------------------------------------------------------------------------------
     def start(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
-        """The checkpoint ``train`` resumes from; remember what ``output_dir`` held at the start."""
+        """The checkpoint ``train`` resumes from; remember what ``output_dir`` held at the start.
+
+        Its files are checked before anything reads them (see
+        :func:`~amp_trainer.checkpointing.file_checks.check_resume_files`): a damaged or unsafe
+        file is one ``ValueError`` naming it, and nothing in it runs.
+        """
         checkpoint = self.resume.resolve(resume_from_checkpoint)
+        if isinstance(checkpoint, (str, os.PathLike)):
+            check_resume_files(checkpoint)
         self.saver.remember_start(checkpoint)
         return checkpoint
 

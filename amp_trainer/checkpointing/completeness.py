@@ -25,7 +25,12 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from amp_trainer.checkpointing.layout import TRAINER_STATE_FILE, checkpoint_step, read_amp_state
+from amp_trainer.checkpointing.layout import (
+    TRAINER_STATE_FILE,
+    checkpoint_run,
+    checkpoint_step,
+    read_amp_state,
+)
 
 __all__ = [
     "INCOMPLETE_MARKER",
@@ -97,10 +102,12 @@ def why_incomplete(folder: str | os.PathLike[str]) -> str | None:
 
 
 def last_complete_checkpoint(folder: str | os.PathLike[str], *, warn: bool = True) -> str | None:
-    """The highest-numbered complete ``checkpoint-N`` in ``folder`` (``None``: there is none).
+    """The highest-numbered complete ``checkpoint-N`` of the run started last in ``folder``
+    (``None``: there is none).
 
     Each newer one skipped is named in a warning (unless ``warn`` is false), with what it lacks
-    and the one taken instead.
+    and the one taken instead. Only the run started last counts (see :func:`_earlier_runs`): after
+    ``--reuse_output_dir true``, the previous run's higher steps are not this run's to resume.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -113,14 +120,25 @@ def last_complete_checkpoint(folder: str | os.PathLike[str], *, warn: bool = Tru
         ),
         reverse=True,
     )
+    reasons = {path: why_incomplete(path) for _, path in steps}
+    others = _earlier_runs([path for path, reason in reasons.items() if reason is None])
     skipped: list[tuple[Path, str]] = []
     found: str | None = None
     for _, path in steps:
-        reason = why_incomplete(path)
+        if path in others:
+            continue
+        reason = reasons[path]
         if reason is None:
             found = str(path)
             break
         skipped.append((path, reason))
+    if others and found is not None:
+        logger.info(
+            "%s holds checkpoints of an earlier run (%s): resuming the run started last, %s",
+            folder,
+            ", ".join(sorted(p.name for p in others)),
+            Path(found).name,
+        )
     for path, reason in skipped if warn else ():
         logger.warning(
             "%s is incomplete (%s; interrupted while saving?): skipped; %s",
@@ -129,3 +147,17 @@ def last_complete_checkpoint(folder: str | os.PathLike[str], *, warn: bool = Tru
             f"the last complete one is {found}" if found else "no complete one is left",
         )
     return found
+
+
+def _earlier_runs(complete: list[Path]) -> set[Path]:
+    """The checkpoints among the ``complete`` ones that a run earlier than the last one wrote.
+
+    Every checkpoint names the run that wrote it (:func:`~amp_trainer.checkpointing.layout.
+    checkpoint_run`: each ``train`` call, resumes included, numbers itself one above the
+    checkpoints it finds). Why: a new run in a reused output folder saves ``checkpoint-2`` beside
+    the previous run's ``checkpoint-4``; the highest step is the previous run's, and resuming it
+    would train (or, finished, save) the previous run's model over this one's.
+    """
+    runs = {path: checkpoint_run(path) for path in complete}
+    latest = max(runs.values(), default=0)
+    return {path for path, run in runs.items() if run < latest}

@@ -19,6 +19,7 @@ __all__ = [
     "SCALER_FILE",
     "SCHEDULER_FILE",
     "TRAINER_STATE_FILE",
+    "checkpoint_run",
     "checkpoint_step",
     "read_amp_state",
 ]
@@ -48,3 +49,15 @@ def read_amp_state(checkpoint: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def checkpoint_run(checkpoint: Path) -> int:
+    """The number of the run that wrote ``checkpoint`` (its :data:`AMP_STATE_FILE`'s ``run``).
+
+    Each ``train`` call numbers itself one above the highest run among the checkpoints in its
+    ``output_dir`` when it starts, so the checkpoints of the run started last (a resume is a run
+    too) have the highest number, whatever their steps. 0: a checkpoint without the number
+    (another library's, or an older amp-trainer's), older than any numbered one.
+    """
+    run = (read_amp_state(checkpoint) or {}).get("run")
+    return run if isinstance(run, int) and not isinstance(run, bool) else 0

@@ -27,7 +27,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from amp_trainer.atomic_files import is_disk_full, write_json_atomic
 from amp_trainer.checkpointing.completeness import INCOMPLETE_MARKER
-from amp_trainer.checkpointing.layout import AMP_STATE_FILE, checkpoint_step
+from amp_trainer.checkpointing.layout import AMP_STATE_FILE, checkpoint_run, checkpoint_step
 from amp_trainer.training_args import AmpTrainingArguments
 
 __all__ = ["CheckpointSaver"]
@@ -47,6 +47,7 @@ class CheckpointSaver:
         self.resume_step: int | None = None  # N of the checkpoint-N resumed from
         self.resume_dir: Path | None = None  # the folder holding the checkpoint resumed from
         self.at_start: dict[str, int] = {}  # checkpoint folders in output_dir when train() began
+        self.run = 1  # this train() call's run number in output_dir (see checkpoint_run)
         self._warned_foreign = False
 
     def remember_start(self, checkpoint: str | bool | None) -> None:
@@ -62,6 +63,9 @@ class CheckpointSaver:
             for path in (folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if folder.is_dir() else ())
             if path.is_dir() and (step := checkpoint_step(path)) is not None
         }
+        # This run's number (see checkpoint_run): a resume with --resume_from_checkpoint true
+        # picks the run started last, not the highest step of an earlier run in the same folder.
+        self.run = 1 + max((checkpoint_run(folder / name) for name in self.at_start), default=0)
 
     def save(self, run_dir: str | os.PathLike, save: Callable[[], None]) -> None:
         """Run ``save`` (stock ``_save_checkpoint``, into ``run_dir``), then add the amp state.
@@ -197,9 +201,10 @@ class CheckpointSaver:
 
     def amp_state(self) -> dict[str, Any]:
         """What :data:`AMP_STATE_FILE` holds: the precision and loss-scaler settings the run
-        started with and its (compact) scale history."""
+        started with, its (compact) scale history and its run number in output_dir."""
         args = self.trainer.args
         return {
+            "run": self.run,
             "precision": self.trainer.precision,
             "loss_scaler": args.loss_scaler_kwargs()
             if isinstance(args, AmpTrainingArguments)

@@ -152,9 +152,12 @@ def load_sample_inputs(path: str) -> dict[str, Any]:
         try:
             tensors = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as err:  # UnpicklingError, RuntimeError (not a zip), EOFError
+            from amp_trainer.checkpointing.file_checks import load_error_reason
+
+            # torch's own message advises loading with weights_only=False: never passed on.
             raise UsageError(
-                f"--sample-inputs {path}: not a torch.save file of plain tensors, which "
-                f"weights_only=True can read ({_first_line(err)})"
+                f"--sample-inputs {path}: not a torch.save file of plain tensors "
+                f"({load_error_reason(err)})"
             ) from None
         if not isinstance(tensors, dict) or not tensors:
             raise UsageError(

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import ProjectConfiguration
 from torch import nn
 
@@ -333,3 +334,62 @@ def test_a_second_prepared_model_is_named_with_accelerates_model_1_prefix():
     second.bias.grad[0] = math.nan
     optimizer.step()
     assert accelerator.loss_scaler.stats.last_overflow_params == ("model_1.bias",)
+
+
+# --------------------------------------------------------------------------------------------
+# a state reset under a live accelerator: Accelerate's own message, as stock gives it
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [Accelerator, AmpAccelerator], ids=["stock", "amp"])
+def test_prepare_after_a_state_reset_says_what_accelerate_says(cls):
+    # Accelerate's own test_script.py::test_reinstantiated_state (run by its test_cpu), as is.
+    reset_accelerate_state()
+    accelerator = cls(cpu=True)
+    AcceleratorState._reset_state()  # what the user did: the accelerator's state is gone
+    with pytest.raises(AttributeError) as caught:
+        accelerator.prepare(nn.Linear(1, 1))
+    assert "`AcceleratorState` object has no attribute" in str(caught.value.args[0])
+    assert "This happens if `AcceleratorState._reset_state()`" in str(caught.value.args[0])
+    reset_accelerate_state()
+
+
+# --------------------------------------------------------------------------------------------
+# load_state: a damaged or unsafe file is one line naming it, and runs nothing
+# --------------------------------------------------------------------------------------------
+class _WritesMarker:
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize(
+    ("name", "damage"),
+    [
+        ("optimizer.bin", "truncated"),
+        ("scheduler.bin", "pickled-object"),
+        ("random_states_0.pkl", "pickled-object"),
+        ("scaler.pt", "garbage"),
+    ],
+)
+def test_amp_accelerator_load_state_names_a_damaged_file_and_runs_nothing(tmp_path, name, damage):
+    saved = AmpAccelerator(mixed_precision="fp16", cpu=True, loss_scaler=SMALL_SCALE)
+    _train(saved, *_prepared(saved))
+    saved.save_state(tmp_path / "ckpt")
+    reset_accelerate_state()
+    path = tmp_path / "ckpt" / name
+    marker = tmp_path / "payload-ran"
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "pickled-object":
+        torch.save({"state": _WritesMarker(marker)}, path)
+    else:
+        path.write_bytes(b"\x00garbage" * 20)
+    resumed = AmpAccelerator(mixed_precision="fp16", cpu=True, loss_scaler=SMALL_SCALE)
+    _prepared(resumed)
+    with pytest.raises(ValueError) as caught:
+        resumed.load_state(tmp_path / "ckpt")
+    message = str(caught.value)
+    assert message.startswith(f"{path} is unreadable (") and "\n" not in message
+    assert "weights_only" not in message and "arbitrary code" not in message
+    assert not marker.exists()

@@ -228,6 +228,34 @@ def test_an_unreadable_sample_inputs_file_is_a_one_line_usage_error(
     assert f"--sample-inputs {bad}: {message}" in line
 
 
+class _WritesMarker:
+    """Unpickles by running code that writes a marker file: what a malicious file would do."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize("command", ["export", "doctor"])
+def test_a_pt_sample_inputs_file_holding_a_pickle_is_refused_unread_without_unsafe_advice(
+    command, saved, tmp_path, capsys
+):
+    marker = tmp_path / "payload-ran"
+    bad = tmp_path / "inputs.pt"
+    torch.save({"pixel_values": _WritesMarker(marker)}, bad)
+    argv = [command, "--model", str(saved["vit"]), "--sample-inputs", str(bad)]
+    if command == "export":
+        argv += ["--output", str(tmp_path / "out")]
+    assert main(argv) == 2
+    line = one_line_error(capsys)
+    assert f"--sample-inputs {bad}: not a torch.save file of plain tensors" in line
+    assert "refused unread: loading it could run code" in line
+    assert "weights_only" not in line and "arbitrary code" not in line
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
 def test_a_pt_file_that_is_not_a_dict_of_tensors_is_refused(saved, tmp_path, capsys):
     listed = tmp_path / "list.pt"
     torch.save([torch.zeros(1)], listed)

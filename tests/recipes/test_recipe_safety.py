@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.recipes import BERT
 from tests.helpers.repo import REPO_ROOT, subprocess_env
@@ -233,3 +234,40 @@ def test_the_gpt2_recipes_tokenizer_on_resume_is_the_checkpoints_and_a_damaged_o
     file.write_bytes(file.read_bytes()[:200])
     with pytest.raises(DataError, match=rf"^{file} is unreadable \("):
         causal_lm_tokenizer("tiny-gpt2", texts, 300, checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "trainer_state.json", "rng_state.pth"])
+def test_a_damaged_checkpoint_file_is_one_line_naming_it(finished, tmp_path, name):
+    run = copy_run(finished, tmp_path)
+    damaged = run / "checkpoint-2" / name
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    line = error_line(
+        bert(
+            ["--output_dir", str(run), "--resume_from_checkpoint", str(run / "checkpoint-2")],
+            tmp_path / "cache",
+        )
+    )
+    assert f"{damaged} is unreadable (" in line
+    assert "weights_only" not in line and "arbitrary code" not in line
+
+
+# ---- a new run in a reused folder, then resumed: this run's checkpoints, not the previous ---
+def test_resume_true_after_reuse_output_dir_resumes_the_new_run_not_the_previous(
+    finished, tmp_path
+):
+    from safetensors.torch import load_file
+
+    run = copy_run(finished, tmp_path)  # the previous run: checkpoint-2, checkpoint-4
+    new = ["--output_dir", str(run), "--max_steps", "2", "--seed", "7"]
+    result = bert([*new, "--reuse_output_dir", "true"], tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-4000:]
+    model = load_file(run / "model.safetensors")  # the new run's (2 steps, seed 7)
+    assert (run / "checkpoint-4").is_dir()  # the previous run's, a higher step than the new one's
+
+    result = bert([*new, "--resume_from_checkpoint", "true"], tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"Resumed from {run / 'checkpoint-2'} at step 2" in result.stderr
+    assert "checkpoint-4 is the end of its run" not in result.stderr
+    kept = load_file(run / "model.safetensors")
+    assert kept.keys() == model.keys()
+    assert all(torch.equal(kept[k], model[k]) for k in model)

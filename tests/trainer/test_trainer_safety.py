@@ -292,3 +292,29 @@ def test_cli_export_with_a_truncated_tokenizer_json_is_one_line_exit_2_nothing_w
     assert "PASSED" not in result.stdout
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no staging left
+
+
+def test_each_checkpoint_names_its_run_and_the_run_started_last_is_the_one_resumed(tmp_path):
+    """A new run in a folder holding a run with a higher step, then its resume: each
+    checkpoint's amp_trainer_state.json numbers the run that wrote it, and the recipes' finder
+    takes the run started last (not the previous run's higher step)."""
+    from amp_trainer.checkpointing.layout import checkpoint_run
+    from amp_trainer.recipes.resume import last_complete_checkpoint
+
+    def train(max_steps: int, seed: int, resume: str | None = None) -> None:
+        args = tiny_training_args(
+            tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2
+        )
+        trainer = AmpTrainer(model=make_tiny_bert(seed=seed), args=args, train_dataset=dataset())
+        trainer.train(resume_from_checkpoint=resume)
+
+    train(4, seed=0)  # the previous run: checkpoint-2, checkpoint-4
+    assert [checkpoint_run(tmp_path / f"checkpoint-{n}") for n in (2, 4)] == [1, 1]
+    train(2, seed=1)  # a new run in the same folder: its checkpoint-2 (run 1's moved aside)
+    assert checkpoint_run(tmp_path / "checkpoint-2") == 2
+    assert checkpoint_run(tmp_path / "checkpoint-4") == 1
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    train(4, seed=1, resume=str(tmp_path / "checkpoint-2"))  # resumed: a run too, started last
+    assert checkpoint_run(tmp_path / "checkpoint-4") == 3
+    assert checkpoint_run(tmp_path / "previous-run-checkpoints" / "checkpoint-4") == 1
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
