@@ -6,7 +6,9 @@ Stock ``Trainer._save_checkpoint`` writes ``scaler.pt`` (the scaler's whole stat
 * :data:`~amp_trainer.checkpointing.layout.AMP_STATE_FILE` in every checkpoint, written
   atomically (:mod:`amp_trainer.atomic_files`);
 * a full disk is one ``OSError(ENOSPC)`` naming the checkpoint, without a half-written folder;
-* ``save_total_limit`` rotation spares the checkpoints of another run found in ``output_dir``
+* ``save_total_limit`` rotation runs only once the new checkpoint is complete (every rank wrote
+  its part), so a save killed half-way never leaves a torn checkpoint as the only one;
+* rotation spares the checkpoints of another run found in ``output_dir``
   (all of them when the checkpoint resumed is another folder's), and another run's
   ``checkpoint-N`` of the step being saved is moved to ``previous-run-checkpoints/``, not
   overwritten.
@@ -75,9 +77,13 @@ class CheckpointSaver:
         ``OSError(ENOSPC)`` names it (also torch.distributed.checkpoint's, which every rank
         raises). The folder holds
         :data:`~amp_trainer.checkpointing.completeness.INCOMPLETE_MARKER` until every rank wrote
-        its part (see :meth:`_mark_complete`). Checkpoints that were in output_dir before this
-        run (and are not the earlier steps of the run resumed) are left out of
-        ``save_total_limit`` rotation: they belong to another run.
+        its part (see :meth:`_mark_complete`).
+
+        ``save_total_limit`` is set aside for the stock call, which rotates before the other
+        ranks are done (with a limit of 1, a rank killed then left only the torn checkpoint),
+        and applied here after the marker is gone (:meth:`_rotate_own_checkpoints`).
+        Checkpoints that were in output_dir before this run (and are not the earlier steps of
+        the run resumed) are left out of that rotation: they belong to another run.
         """
         args = self.trainer.args
         run_dir = Path(run_dir)
@@ -87,8 +93,7 @@ class CheckpointSaver:
         self._move_aside_if_foreign(run_dir, folder)
         foreign = self._foreign_checkpoints(run_dir)
         try:
-            if foreign and limit:
-                args.save_total_limit = None  # rotated below, without the foreign ones
+            args.save_total_limit = None  # rotated below, once this checkpoint is complete
             if args.should_save:
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / INCOMPLETE_MARKER).write_text(
@@ -111,7 +116,7 @@ class CheckpointSaver:
             ) from err
         finally:
             args.save_total_limit = limit
-        if foreign and limit and args.should_save:
+        if limit is not None and limit > 0 and args.should_save:
             self._rotate_own_checkpoints(run_dir, foreign, limit)
 
     def _mark_complete(self, folder: Path) -> None:
@@ -184,7 +189,13 @@ class CheckpointSaver:
         return {name for name in foreign if (run_dir / name).is_dir()}
 
     def _rotate_own_checkpoints(self, run_dir: Path, foreign: set[str], limit: int) -> None:
-        """``save_total_limit`` over this run's checkpoints only (the best one is kept)."""
+        """``save_total_limit`` over this run's checkpoints only, as stock rotation keeps them.
+
+        Called once the checkpoint just saved is complete. Stock's rule: the newest and the best
+        checkpoint are always kept, then the oldest others are deleted until ``limit`` (or those
+        two) remain. Ordered by step, not by folder mtime as stock does (with a step-number
+        fallback): a folder's mtime changes whenever a file in it is added or removed.
+        """
         own = sorted(
             (step, path)
             for path in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
@@ -192,12 +203,20 @@ class CheckpointSaver:
             and path.name not in foreign
             and (step := checkpoint_step(path)) is not None
         )
+        if len(own) <= limit:
+            return
         best = self.trainer.state.best_model_checkpoint
-        keep = {path for _, path in own[-limit:]}
+        protected = {own[-1][1].resolve()}
+        if best is not None and Path(best).resolve() in {path.resolve() for _, path in own}:
+            protected.add(Path(best).resolve())
+        remaining = len(own)
         for _, path in own:
-            if path not in keep and (best is None or Path(best).resolve() != path.resolve()):
+            if remaining <= max(limit, len(protected)):
+                break
+            if path.resolve() not in protected:
                 logger.info("Deleting older checkpoint %s (save_total_limit=%d)", path, limit)
                 shutil.rmtree(path, ignore_errors=True)
+                remaining -= 1
 
     def amp_state(self) -> dict[str, Any]:
         """What :data:`AMP_STATE_FILE` holds: the precision and loss-scaler settings the run

@@ -8,9 +8,11 @@ import json
 import logging
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from amp_trainer import AmpTrainer
 from amp_trainer.checkpointing import AMP_STATE_FILE
@@ -190,6 +192,58 @@ def test_save_total_limit_rotation_leaves_another_runs_checkpoint_alone(full_run
     trainer = make_trainer(finished.parent, max_steps=3, save_steps=1, save_total_limit=1)
     trainer.train()
     assert sorted(p.name for p in finished.parent.iterdir()) == ["checkpoint-3", "checkpoint-6"]
+
+
+class CheckpointsAtEachSave(TrainerCallback):
+    """The ``checkpoint-N`` folders in ``output_dir`` after each save (its rotation included)."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        folders = Path(args.output_dir).glob("checkpoint-*")
+        self.seen.append(sorted((p.name for p in folders), key=lambda n: int(n.split("-")[1])))
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_save_total_limit_keeps_the_checkpoints_stock_rotation_keeps(tmp_path, limit):
+    # Rotation runs once each checkpoint is complete, as amp-trainer's own: it keeps what stock
+    # Trainer keeps, the best checkpoint included (the first evaluation is the best here).
+    seen = {}
+    for name, trainer_cls, args_cls in (
+        ("stock", Trainer, TrainingArguments),
+        ("amp", AmpTrainer, None),
+    ):
+        reset_accelerate_state()
+        evaluations = iter(range(100))
+        watch = CheckpointsAtEachSave()
+        trainer_cls(
+            model=make_tiny_bert(),
+            args=tiny_training_args(
+                tmp_path / name,
+                args_cls,
+                max_steps=5,
+                save_strategy="steps",
+                save_steps=1,
+                eval_strategy="steps",
+                eval_steps=1,
+                save_total_limit=limit,
+                load_best_model_at_end=True,
+                metric_for_best_model="order",
+                greater_is_better=False,
+            ),
+            train_dataset=ToyClassification(),
+            eval_dataset=ToyClassification(8),
+            compute_metrics=lambda _, order=evaluations: {"order": next(order)},
+            callbacks=[watch],
+        ).train()
+        seen[name] = watch.seen
+    assert seen["amp"] == seen["stock"]
+    # checkpoint-1, the best, is never rotated away; the newest always stays.
+    assert [[int(name.split("-")[1]) for name in names] for names in seen["amp"]] == {
+        1: [[1], [1, 2], [1, 3], [1, 4], [1, 5]],
+        3: [[1], [1, 2], [1, 2, 3], [1, 3, 4], [1, 4, 5]],
+    }[limit]
 
 
 def test_disk_full_during_a_checkpoint_save_is_one_enospc_error_without_a_partial_checkpoint(

@@ -3,13 +3,16 @@
 Launched twice by tests/distributed/test_fsdp2_torn_checkpoint.py with ``torch.distributed.run``
 (gloo, CPU), on Accelerate's FSDP2 path as workers/trainer_fsdp2.py forces it:
 
-``kill``: 6 steps, a checkpoint every 2. In checkpoint-4's save, rank 1 is killed with SIGKILL
-at the worst moment: its sharded model and optimizer are written, its ``rng_state_1.pth`` is not,
-and rank 0 has already written ``trainer_state.json`` (rank 1 waits for that file, then kills
-itself: without the wait the race is won only about one time in two).
+``kill``: 6 steps, a checkpoint every 2, ``save_total_limit=1``. In checkpoint-4's save, rank 1
+is killed with SIGKILL at the worst moment: its sharded model and optimizer are written, its
+``rng_state_1.pth`` is not, and rank 0 has already written ``trainer_state.json`` (rank 1 waits
+for that file, then kills itself: without the wait the race is won only about one time in two).
+Rank 1 waits another 2 s first, so that rank 0 finishes all it does before waiting for the other
+ranks (stock rotation deleted checkpoint-2 there); killed sooner, torchrun's SIGTERM can end
+rank 0 before it gets that far.
 
 ``resume``: the torn checkpoint resumed by path (into another folder), a fresh trainer on the
-run's folder with ``train(resume_from_checkpoint=True)``, then
+run's folder with ``train(resume_from_checkpoint=True)`` (``save_total_limit=1`` again), then
 another resuming the final checkpoint-6 with the same ``max_steps`` ("nothing to train") and a
 different ``loss_scale_init``. Each rank writes ``rank<N>.json``: the warnings, the steps each
 run trained and the scaler states.
@@ -59,6 +62,7 @@ def trainer(run_dir: Path, cls: type = ForcedFSDP2Trainer, **overrides) -> Force
         loss_scale_init=1024.0,
         save_strategy="steps",
         save_steps=2,
+        save_total_limit=1,  # a torn checkpoint must not rotate the last complete one away
         report_to="none",
         disable_tqdm=True,
         seed=0,
@@ -89,6 +93,7 @@ class KilledInSave(ForcedFSDP2Trainer):
             deadline = time.monotonic() + 120
             while not state.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
+            time.sleep(2.0)  # rank 0 does the rest of its save alone, then waits for this rank
             os.kill(os.getpid(), signal.SIGKILL)
         return super()._save_rng_state(output_dir)
 
