@@ -236,8 +236,8 @@ def test_a_new_run_moves_another_runs_checkpoint_of_the_same_step_aside(tmp_path
 
 def test_resuming_another_folders_checkpoint_spares_every_checkpoint_of_the_output_dir(tmp_path):
     """A checkpoint resumed from another folder makes every checkpoint of ``output_dir`` another
-    run's, whatever its step (before, one at or below the resumed step counted as this run's and
-    ``save_total_limit`` rotation deleted it)."""
+    run's, whatever its step: one at or below the resumed step is not this run's, so
+    ``save_total_limit`` rotation leaves it alone."""
     args = dict(max_steps=2, save_strategy="steps", save_steps=2)
     for folder in ("other", "finished"):
         AmpTrainer(
