@@ -7,8 +7,9 @@ PyTorch loop that only wants :class:`DynamicLossScaler` never imports them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from amp_trainer.lazy_exports import lazy_attributes
 
 # The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]).
 __version__ = "0.1.0"
@@ -96,14 +97,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'amp_trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # cache: the next lookup is a plain module attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_attributes(globals(), _WHERE)

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from amp_trainer.atomic_files import write_text_atomic
 from benchmarks.machine import REPO
 
 PROG = "python -m benchmarks"
@@ -45,6 +46,13 @@ def add_output(
     if default is not None:
         help += f" (default: {shown_path(default)})"
     parser.add_argument("--output", type=Path, default=default, metavar="PATH", help=help)
+
+
+def emit(text: str, output: Path | None) -> None:
+    """Print the report, and write it to ``output`` (``--output``) too when one is given."""
+    print(text)
+    if output is not None:
+        write_text_atomic(output, text + "\n")
 
 
 def add_repeats(

@@ -93,7 +93,6 @@ from amp_trainer.export.parity import (
     drop_autocast_wrapper,
     output_only,
     pick_output,
-    plain_forward,
     thin_evidence,
 )
 from amp_trainer.export.sample_inputs import (
@@ -109,6 +108,7 @@ from amp_trainer.export.sample_inputs import (
     output_mask,
 )
 from amp_trainer.numerics import FP16_MAX
+from amp_trainer.precision import without_autocast_wrapper
 
 __all__ = [
     "DEFAULT_SAMPLE_TEXTS",
@@ -380,7 +380,7 @@ def export_fp16(
         with (
             torch.no_grad(),
             torch.autocast(device.type, enabled=False),
-            plain_forward(reference_model),
+            without_autocast_wrapper(reference_model),
         ):
             output = reference_model(**inputs, **extra)
     except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, KeyError) as err:

@@ -5,12 +5,11 @@ Step 3 of :mod:`amp_trainer.export`'s flow; :class:`ParityResult` is re-exported
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import keyword
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,27 +25,6 @@ def _autocast_wrapped(module: nn.Module) -> Any:
     """The forward under Accelerate's autocast wrapper (``prepare()`` keeps it as the instance's
     ``_original_forward``), or ``None`` when ``module`` is not wrapped."""
     return module.__dict__.get("_original_forward") if "forward" in module.__dict__ else None
-
-
-@contextlib.contextmanager
-def plain_forward(module: nn.Module) -> Iterator[nn.Module]:
-    """Run ``module`` through the forward underneath Accelerate's autocast wrapper, if it has one,
-    for the duration of the block; the wrapper is put back after.
-
-    A model trained by AmpTrainer or Accelerate keeps that wrapper (``trainer.model`` after
-    ``train()``): through it, the "FP32" reference of a parity check runs in FP16 too, and the
-    check compares FP16 with FP16.
-    """
-    original = _autocast_wrapped(module)
-    if original is None:
-        yield module
-        return
-    wrapper = module.__dict__["forward"]
-    module.forward = original
-    try:
-        yield module
-    finally:
-        module.forward = wrapper
 
 
 def drop_autocast_wrapper(module: nn.Module) -> None:

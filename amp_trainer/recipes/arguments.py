@@ -7,16 +7,24 @@ without importing transformers or torch (:mod:`amp_trainer.recipes.help`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from amp_trainer.entry_point import UsageError, one_line
 from amp_trainer.recipes.data import OFFLINE_DATASET
 
-__all__ = ["RunArguments", "SharedDataArguments", "SharedModelArguments", "load_yaml_config"]
+__all__ = [
+    "RunArguments",
+    "SharedDataArguments",
+    "SharedModelArguments",
+    "load_yaml_config",
+    "split_config_flag",
+]
 
 
 @dataclasses.dataclass
@@ -52,6 +60,29 @@ def load_yaml_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"got {type(data).__name__}"
         )
     return data
+
+
+def split_config_flag(
+    argv: Sequence[str],
+    default_config: str | os.PathLike[str] | None,
+    on_error: Callable[[str], NoReturn] | None = None,
+) -> tuple[str | os.PathLike[str] | None, list[str]]:
+    """The config file a recipe run starts from, and ``argv`` without its ``--config FILE``.
+
+    ``--config FILE`` wins over ``default_config``; ``--config none`` (or an empty value) means
+    no file: the dataclasses' own defaults. The parse of the flags and the short help both read
+    it, so they agree on which file's values a run uses. ``on_error``, if given, replaces
+    argparse's usage-and-exit on a malformed ``--config``.
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    if on_error is not None:
+        pre.error = on_error  # type: ignore[method-assign]
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(list(argv))
+    config = default_config if known.config is None else known.config
+    if str(config).lower() in ("", "none"):
+        config = None
+    return config, rest
 
 
 @dataclass

@@ -27,7 +27,7 @@ from amp_trainer.entry_point import (
     UsageError,
     run_entry_point,
 )
-from amp_trainer.recipes.arguments import RunArguments, load_yaml_config
+from amp_trainer.recipes.arguments import RunArguments, load_yaml_config, split_config_flag
 from amp_trainer.recipes.help import short_help
 
 __all__ = [
@@ -144,13 +144,7 @@ def parse_args_with_config(
         _describe_negated_flags(parser)
     # argparse prints a usage block and exits on a bad flag; an exception is reported in one line.
     parser.error = _raise_usage_error
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.error = _raise_usage_error
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(list(argv))
-    config_path = default_config if known.config is None else known.config
-    if str(config_path).lower() in ("", "none"):
-        config_path = None
+    config_path, rest = split_config_flag(argv, default_config, _raise_usage_error)
     typed: dict[str, Any] = {}
     if config_path is not None:
         values = load_yaml_config(config_path)

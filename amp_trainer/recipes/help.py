@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from amp_trainer.entry_point import EXIT_OK, UsageError
-from amp_trainer.recipes.arguments import RunArguments, load_yaml_config
+from amp_trainer.recipes.arguments import RunArguments, load_yaml_config, split_config_flag
 from amp_trainer.recipes.launcher import LauncherPrecision
 
 __all__ = [
@@ -406,12 +406,7 @@ def answer_help(
     """
     if not wants_short_help(argv):
         return
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(list(argv))
-    config = default_config if known.config is None else known.config
-    if str(config).lower() in ("", "none"):
-        config = None
+    config, rest = split_config_flag(argv, default_config)
     values: dict[str, Any] = {}
     if config is not None:
         try:

@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 
-from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.scaler import DynamicLossScaler
 from benchmarks import cli
 from benchmarks.machine import describe_machine, format_machine
@@ -288,7 +287,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         *passes_table(passes),
     ]
     text = "\n".join(report)
-    print(text)
-    if args.output is not None:
-        write_text_atomic(args.output, text + "\n")
+    cli.emit(text, args.output)
     return 0

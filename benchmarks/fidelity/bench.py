@@ -34,18 +34,16 @@ import datetime as _dt
 import hashlib
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from amp_trainer.atomic_files import write_text_atomic
 from benchmarks import cli
+from benchmarks.child import repo_env, timed_run
 from benchmarks.machine import REPO, describe_machine, format_machine
 
 HERE = Path(__file__).resolve().parent
@@ -77,14 +75,10 @@ def run_one(recipe: str, precision: str, seed: int, threads: int, cache: str) ->
     with tempfile.TemporaryDirectory(prefix=f"fidelity-{recipe}-") as out:
         cmd = [sys.executable, str(REPO / RECIPES[recipe]), "--precision", precision]
         cmd += ["--seed", str(seed), "--output_dir", out, "--disable_tqdm", "true"]
-        env = dict(os.environ, AMP_TRAINER_CACHE=cache, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env = repo_env(AMP_TRAINER_CACHE=cache, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         if threads > 0:
             env["OMP_NUM_THREADS"] = str(threads)
-        load_before = [round(v, 2) for v in os.getloadavg()]
-        started = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - started
+        proc, timing = timed_run(cmd, REPO, env)
         record: dict[str, Any] = {
             "recipe": recipe,
             "precision": precision,
@@ -92,9 +86,9 @@ def run_one(recipe: str, precision: str, seed: int, threads: int, cache: str) ->
             "threads": threads or "torch default",
             "command": " ".join(cmd[1:]),
             "returncode": proc.returncode,
-            "process_wall_s": round(wall, 1),
-            "load_before": load_before,
-            "load_after": [round(v, 2) for v in os.getloadavg()],
+            "process_wall_s": round(timing["wall_s"], 1),
+            "load_before": timing["load_before"],
+            "load_after": timing["load_after"],
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
         if proc.returncode != 0:

@@ -31,7 +31,6 @@ import datetime as _dt
 import importlib.util
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import torch
 
 from amp_trainer.atomic_files import write_text_atomic
 from benchmarks import cli
+from benchmarks.child import repo_env
 from benchmarks.machine import REPO, describe_machine, format_machine
 
 MODES = ("fp32", "fp16-ours", "fp16-stock", "bf16")
@@ -446,9 +446,7 @@ def part_scaler(args: argparse.Namespace) -> None:
             command += ["--size", "2e5", "--repeats", "2", "--warmup", "1"]
         else:
             command += ["--repeats", "20", "--warmup", "3"]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        subprocess.run([*command, "--output", str(md)], check=True, cwd=REPO, env=env)
+        subprocess.run([*command, "--output", str(md)], check=True, cwd=REPO, env=repo_env())
         record["result"] = {"markdown": md.read_text()}
 
 

@@ -36,7 +36,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.islands import keep_norms_in_fp32
 from benchmarks import cli
 from benchmarks.machine import describe_machine, format_machine
@@ -153,7 +152,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {row['overhead_us']:+.2f} [{row['p25']:+.2f}/{row['p75']:+.2f}] | {casts} |"
         )
     text = "\n".join(lines)
-    print(text)
-    if args.output is not None:
-        write_text_atomic(args.output, text + "\n")
+    cli.emit(text, args.output)
     return 0

@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from amp_trainer.atomic_files import write_text_atomic
 from benchmarks import cli
 from benchmarks.machine import describe_machine, format_machine
 
@@ -250,6 +249,4 @@ def _measure_and_report(
             f"that implies: {implied}."
         )
     text = "\n".join(lines)
-    print(text)
-    if args.output is not None:
-        write_text_atomic(args.output, text + "\n")
+    cli.emit(text, args.output)

@@ -28,16 +28,15 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from amp_trainer.atomic_files import write_text_atomic
 from benchmarks import cli
+from benchmarks.child import repo_env, timed_run
 from benchmarks.machine import REPO, describe_machine, format_machine
 
 RECIPES = {
@@ -69,20 +68,16 @@ def accelerate_command() -> str:
 def run_recipe(recipe: str) -> dict[str, Any]:
     script, output = RECIPES[recipe]
     work = Path(tempfile.mkdtemp(prefix=f"bench-{recipe}-"))
-    env = dict(os.environ, AMP_TRAINER_CACHE=str(work / "cache"), HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = repo_env(AMP_TRAINER_CACHE=str(work / "cache"), HF_HUB_OFFLINE="1")
     cmd = [accelerate_command(), "launch", str(REPO / script)]
-    load_before = [round(v, 2) for v in os.getloadavg()]
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
+    proc, timing = timed_run(cmd, work, env)
     record: dict[str, Any] = {
         "recipe": recipe,
         "command": f"accelerate launch {script}",
         "returncode": proc.returncode,
-        "wall_s": round(wall, 1),
-        "load_before": load_before,
-        "load_after": [round(v, 2) for v in os.getloadavg()],
+        "wall_s": round(timing["wall_s"], 1),
+        "load_before": timing["load_before"],
+        "load_after": timing["load_after"],
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset (torch default)"),
     }
     if proc.returncode != 0:
@@ -113,7 +108,7 @@ def run_recipe(recipe: str) -> dict[str, Any]:
         record["result_ok"]
         and record["scale_grew"]
         and (record["skipped_steps"] or 0) >= 1
-        and wall <= MAX_WALL_S
+        and timing["wall_s"] <= MAX_WALL_S
     )
     return record
 

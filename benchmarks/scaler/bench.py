@@ -70,7 +70,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.scaler import DynamicLossScaler
 from benchmarks import cli
 from benchmarks.machine import describe_machine, format_machine
@@ -454,8 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "<= 0; ~ = a tie within noise (p25 <= 0); MISS otherwise.",
         ]
     )
-    print(report)
+    cli.emit(report, args.output)
     if args.output is not None:
-        write_text_atomic(args.output, report + "\n")
         print(f"\nwritten to {args.output}")
     return 0

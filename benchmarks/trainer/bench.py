@@ -66,7 +66,8 @@ from typing import Any
 
 from amp_trainer.atomic_files import write_text_atomic
 from benchmarks import cli
-from benchmarks.machine import REPO, describe_machine, format_machine
+from benchmarks.child import repo_env
+from benchmarks.machine import describe_machine, format_machine
 
 MODES = ("amp-fp16", "stock-fp16", "amp-bf16", "fp32")
 # Not run by default: AmpTrainer fp16 without the FP32-norm forward hooks (keep_norms_fp32=False),
@@ -366,8 +367,7 @@ def _spawn(args: argparse.Namespace, mode: str, workdir: str) -> dict[str, Any]:
         command += ["--threads", str(args.threads)]
     if args.profile is not None:
         command += ["--profile", str(args.profile)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = repo_env()
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         env.setdefault(key, "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

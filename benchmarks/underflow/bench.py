@@ -30,7 +30,6 @@ import torch
 from transformers import PrinterCallback
 
 from amp_trainer import AmpTrainer, AmpTrainingArguments, DynamicLossScaler
-from amp_trainer.atomic_files import write_text_atomic
 from amp_trainer.underflow import measure_underflow
 from benchmarks import cli
 from benchmarks.machine import describe_machine, format_machine
@@ -235,7 +234,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         if r["underflow"] is not None or r["skipped"]
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.output is not None:
-        write_text_atomic(args.output, text + "\n")
+    cli.emit(text, args.output)
     return 0

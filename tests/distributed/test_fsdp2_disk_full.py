@@ -10,10 +10,10 @@ from __future__ import annotations
 import errno
 import json
 import shutil
-import subprocess
 
 import pytest
 
+from tests.helpers.disks import tiny_disk
 from tests.helpers.distributed import WORKERS, run_two_gloo_ranks
 
 pytestmark = pytest.mark.slow
@@ -23,18 +23,13 @@ def test_fsdp2_disk_full_is_one_enospc_error_per_rank_and_the_partial_checkpoint
     tmp_path,
 ):
     disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
+    unmount = tiny_disk(disk, "32k")
     try:
         run_two_gloo_ranks(WORKERS / "fsdp2_disk_full.py", tmp_path, timeout=300)
         remaining = sorted(p.name for p in disk.iterdir())
         used = shutil.disk_usage(disk).used
     finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        unmount()
     for rank in range(2):
         raised = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # Not torch's CheckpointException (a BaseException, past `except Exception`).

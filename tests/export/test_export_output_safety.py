@@ -21,6 +21,7 @@ import torch
 
 from amp_trainer.cli import main
 from amp_trainer.export import export_fp16
+from tests.helpers.disks import tiny_disk
 from tests.helpers.repo import subprocess_env
 from tests.helpers.tiny_models import make_tiny_bert, make_tiny_gpt2
 
@@ -48,17 +49,6 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
     }
-
-
-def tiny_disk(path: Path, size: str):
-    """Mount a tmpfs of ``size`` at ``path`` (root only); returns an unmount callable."""
-    path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
-    return lambda: subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture

@@ -25,11 +25,13 @@ FP64_USAGE_ERROR = (
 )
 
 
-def run(args: list[str], cache: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """``args`` from the checkout's root, its tokenizers trained into ``cache``."""
+def run(
+    args: list[str], cache: str, timeout: int = 240, cwd: Path = REPO_ROOT
+) -> subprocess.CompletedProcess:
+    """``args`` from ``cwd`` (the checkout's root), its tokenizers trained into ``cache``."""
     return subprocess.run(
         args,
-        cwd=REPO_ROOT,
+        cwd=cwd,
         env=subprocess_env(AMP_TRAINER_CACHE=cache),
         capture_output=True,
         text=True,

@@ -13,24 +13,48 @@ from typing import Any
 
 import torch
 
+#: "Tiny", in the field names most transformers configs share (BERT, Llama, Phi3, ViT, wav2vec2).
+TINY_SIZES: dict[str, int] = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+)
+#: The same sizes in the encoder-decoder field names (BART, Whisper).
+TINY_SEQ2SEQ_SIZES: dict[str, int] = dict(
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+)
+#: A tiny causal decoder with grouped-query attention (Llama, Phi3).
+_TINY_GQA_DECODER: dict[str, int] = dict(
+    vocab_size=128, **TINY_SIZES, num_key_value_heads=2, max_position_embeddings=64
+)
+
+
+def _seeded(model_class: type, config_class: type, seed: int, **fields: Any) -> Any:
+    """``model_class(config_class(**fields))`` with torch seeded first, so that the same call
+    gives the same weights."""
+    torch.manual_seed(seed)
+    return model_class(config_class(**fields))
+
 
 # ---- token-id models -------------------------------------------------------------------------
 def make_tiny_bert(num_labels: int = 2, vocab_size: int = 128, seed: int = 0, **overrides):
-    """A 2-layer, 32-wide BERT classifier: small enough for CPU fp16, real enough to overflow."""
+    """A 2-layer, 32-wide BERT classifier: small enough for CPU fp16, real enough to overflow.
+    ``overrides`` go to the config and may change the sizes too."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    torch.manual_seed(seed)
-    config = BertConfig(
+    fields = {**TINY_SIZES, "max_position_embeddings": 64, **overrides}
+    return _seeded(
+        BertForSequenceClassification,
+        BertConfig,
+        seed,
         vocab_size=vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
         num_labels=num_labels,
-        **overrides,
+        **fields,
     )
-    return BertForSequenceClassification(config)
 
 
 def bert_batch(labels=(0, 1, 0, 1), seed=0) -> dict[str, torch.Tensor]:
@@ -48,8 +72,10 @@ def make_tiny_gpt2(vocab_size: int = 128, seed: int = 0, **overrides):
     """A 2-layer, 32-wide GPT-2 LM head model."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(seed)
-    config = GPT2Config(
+    return _seeded(
+        GPT2LMHeadModel,
+        GPT2Config,
+        seed,
         vocab_size=vocab_size,
         n_embd=32,
         n_layer=2,
@@ -59,7 +85,6 @@ def make_tiny_gpt2(vocab_size: int = 128, seed: int = 0, **overrides):
         eos_token_id=vocab_size - 1,
         **overrides,
     )
-    return GPT2LMHeadModel(config)
 
 
 def tiny_gpt2_for(tokenizer, seed: int = 0):
@@ -77,11 +102,10 @@ def tiny_t5(seed: int = 0, **overrides):
     config (``vocab_size``, ``dropout_rate``, ``decoder_start_token_id`` ...)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    torch.manual_seed(seed)
     config = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     config.update(pad_token_id=0, decoder_start_token_id=0)  # as t5-small's config.json has it
     config.update(overrides)
-    return T5ForConditionalGeneration(T5Config(**config))
+    return _seeded(T5ForConditionalGeneration, T5Config, seed, **config)
 
 
 #: The module of :func:`make_overflowing_t5` whose output passes 65504.
@@ -105,73 +129,49 @@ def make_overflowing_t5(declared: bool = False, seed: int = 0):
 def tiny_bart(seed: int = 0):
     from transformers import BartConfig, BartForConditionalGeneration
 
-    torch.manual_seed(seed)
-    config = BartConfig(
+    return _seeded(
+        BartForConditionalGeneration,
+        BartConfig,
+        seed,
         vocab_size=128,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
+        **TINY_SEQ2SEQ_SIZES,
         max_position_embeddings=64,
     )
-    return BartForConditionalGeneration(config)
 
 
 def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
+    return _seeded(
+        LlamaForCausalLM, LlamaConfig, seed, **_TINY_GQA_DECODER, bos_token_id=1, eos_token_id=2
     )
-    return LlamaForCausalLM(config)
 
 
 def tiny_phi3(seed: int = 0):
     """A 2-layer, 32-wide Phi3 causal LM: pre-norm blocks, untied FP16 head."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    torch.manual_seed(seed)
-    config = Phi3Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+    return _seeded(
+        Phi3ForCausalLM,
+        Phi3Config,
+        seed,
+        **_TINY_GQA_DECODER,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
-    return Phi3ForCausalLM(config)
 
 
 # ---- models that take no token ids -----------------------------------------------------------
 def tiny_whisper(seed: int = 0):
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    torch.manual_seed(seed)
-    config = WhisperConfig(
+    return _seeded(
+        WhisperForConditionalGeneration,
+        WhisperConfig,
+        seed,
         vocab_size=128,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
+        **TINY_SEQ2SEQ_SIZES,
         num_mel_bins=16,
         max_source_positions=32,  # 64 feature frames: two stride-1/stride-2 convolutions
         max_target_positions=32,
@@ -180,35 +180,31 @@ def tiny_whisper(seed: int = 0):
         bos_token_id=1,
         eos_token_id=2,
     )
-    return WhisperForConditionalGeneration(config)
 
 
 def tiny_vit(seed: int = 0):
     from transformers import ViTConfig, ViTForImageClassification
 
-    torch.manual_seed(seed)
-    config = ViTConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
+    return _seeded(
+        ViTForImageClassification,
+        ViTConfig,
+        seed,
+        **TINY_SIZES,
         image_size=32,
         patch_size=8,
         num_labels=3,
     )
-    return ViTForImageClassification(config)
 
 
 def tiny_wav2vec2_ctc(seed: int = 0, **overrides):
     from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
 
-    torch.manual_seed(seed)
-    config = Wav2Vec2Config(
+    return _seeded(
+        Wav2Vec2ForCTC,
+        Wav2Vec2Config,
+        seed,
         vocab_size=32,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
+        **TINY_SIZES,
         conv_dim=(16, 16),
         conv_stride=(5, 2),
         conv_kernel=(10, 3),
@@ -216,7 +212,6 @@ def tiny_wav2vec2_ctc(seed: int = 0, **overrides):
         num_conv_pos_embedding_groups=2,
         **overrides,
     )
-    return Wav2Vec2ForCTC(config)
 
 
 # ---- tokenizers trained here, and checkpoints saved with them --------------------------------

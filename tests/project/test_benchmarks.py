@@ -163,6 +163,22 @@ def test_describe_machine_records_cpu_cores_load_and_commit_of_this_machine():
         assert MACHINE_LINE.search(line), line  # what the result-file check looks for
 
 
+def test_a_child_process_imports_this_checkout_and_its_wall_time_and_load_are_recorded(tmp_path):
+    child = importlib.import_module("benchmarks.child")
+    env = child.repo_env(PYTHONPATH="elsewhere", AMP_TRAINER_CACHE=str(tmp_path))
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "elsewhere"]
+    script = "import amp_trainer, os, time; time.sleep(0.3)\n"
+    script += "print(amp_trainer.__file__, os.environ['AMP_TRAINER_CACHE'])"
+
+    proc, timing = child.timed_run([sys.executable, "-c", script], tmp_path, env)
+
+    assert proc.returncode == 0, proc.stderr
+    module, cache = proc.stdout.split()
+    assert module == str(REPO_ROOT / "amp_trainer" / "__init__.py") and cache == str(tmp_path)
+    assert timing["wall_s"] >= 0.3
+    assert len(timing["load_before"]) == len(timing["load_after"]) == 3
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="gpu_check.sh is a bash script")
 def test_gpu_check_without_cuda_exits_cleanly_and_says_nothing_was_measured(tmp_path):
     # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on a GPU machine too.

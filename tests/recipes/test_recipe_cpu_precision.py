@@ -8,7 +8,6 @@ doesn't support bf16/gpu" unless `--use_cpu true` was passed as well.
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 
 import pytest
@@ -17,8 +16,7 @@ from transformers.utils import is_torch_bf16_gpu_available
 
 from amp_trainer import AmpTrainingArguments
 from amp_trainer.precision import resolve_precision
-from tests.helpers.recipes import ACCELERATE, BERT
-from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.recipes import ACCELERATE, BERT, expect_success, run
 
 ONE_STEP = ["--max_steps", "1", "--max_train_samples", "16", "--max_eval_samples", "8"]
 ONE_STEP += ["--save_strategy", "no", "--eval_strategy", "no", "--disable_tqdm", "true"]
@@ -53,15 +51,7 @@ def test_auto_logs_what_it_picked_and_why(caplog):
 def test_recipe_runs_under_accelerate_launch_cpu_without_extra_flags(precision, tmp_path):
     args = [ACCELERATE, "launch", "--cpu", "--num_processes", "1", BERT, "--precision", precision]
     args += [*ONE_STEP, "--output_dir", str(tmp_path / "run")]
-    result = subprocess.run(
-        args,
-        cwd=REPO_ROOT,
-        env=subprocess_env(AMP_TRAINER_CACHE=str(tmp_path / "cache")),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    expect_success(run(args, str(tmp_path / "cache")))
     assert (tmp_path / "run" / "metrics.json").is_file()
 
 
@@ -70,15 +60,9 @@ def test_a_recipe_shows_what_auto_picked_once_after_its_logging_is_set_up(tmp_pa
     # The arguments say what "auto" picked while they are parsed, before the recipe sets up its
     # logging: the line used to go nowhere.
     args = [sys.executable, BERT, "--precision", "auto", *ONE_STEP]
-    result = subprocess.run(
-        [*args, "--output_dir", str(tmp_path / "run")],
-        cwd=REPO_ROOT,
-        env=subprocess_env(AMP_TRAINER_CACHE=str(tmp_path / "cache")),
-        capture_output=True,
-        text=True,
-        timeout=240,
+    result = expect_success(
+        run([*args, "--output_dir", str(tmp_path / "run")], str(tmp_path / "cache"))
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stderr.splitlines()
     picked = [i for i, line in enumerate(lines) if "precision='auto' picked" in line]
     on_cpu = [i for i in picked if " on cpu: " in lines[i]]

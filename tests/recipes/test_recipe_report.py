@@ -39,8 +39,8 @@ from amp_trainer.recipes.reporting import (
     validation_size_hint,
 )
 from amp_trainer.recipes.run import RecipeRun
-from tests.helpers.recipes import BERT, GPT2
-from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.recipes import BERT, GPT2, expect_success, run
+from tests.helpers.repo import REPO_ROOT
 from tests.helpers.tiny_models import WO, make_overflowing_t5
 from tests.helpers.training import ToySeq2Seq, tiny_training_args
 
@@ -245,16 +245,8 @@ def test_the_prompt_is_the_flag_the_configs_for_its_data_or_the_datas(
 
 
 def run_recipe(script: str, args: list[str], cache) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, script, *args, "--save_strategy", "no", "--disable_tqdm", "true"],
-        cwd=REPO_ROOT,
-        env=subprocess_env(AMP_TRAINER_CACHE=str(cache)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-4000:]}"
-    return result
+    extra = ["--save_strategy", "no", "--disable_tqdm", "true"]
+    return expect_success(run([sys.executable, script, *args, *extra], str(cache), timeout=300))
 
 
 @pytest.mark.slow

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers.recipes import BERT
-from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.recipes import BERT, run
 
 # The module fixture trains and resumes three runs: 43 s alone, 89 s in the suite on 2 loaded cores
 # (the first test pays for it); 600 s leaves room for a busier machine.
@@ -21,14 +20,7 @@ RUN += ["--save_total_limit", "5", "--loss_scale_init", "16777216"]  # 2**24: ov
 
 
 def bert(args, cache) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, BERT, *RUN, *args],
-        cwd=REPO_ROOT,
-        env=subprocess_env(AMP_TRAINER_CACHE=cache),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run([sys.executable, BERT, *RUN, *args], cache, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.helpers.recipes import BERT
+from tests.helpers.recipes import BERT, run
 from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 # The module fixture trains and resumes four runs: 65 s alone, 80 s in the suite on 2 loaded cores
@@ -30,14 +30,7 @@ RUN += ["--save_strategy", "steps", "--save_steps", "1", "--save_total_limit", "
 
 
 def bert(args, cache, cwd=REPO_ROOT, expect=0) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, BERT, *RUN, *args],
-        cwd=cwd,
-        env=subprocess_env(AMP_TRAINER_CACHE=cache),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run([sys.executable, BERT, *RUN, *args], cache, timeout=300, cwd=cwd)
     assert result.returncode == expect, result.stderr[-4000:]
     return result
 

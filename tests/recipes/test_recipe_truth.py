@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -25,8 +24,8 @@ import torch
 
 from amp_trainer import load_fp16_export
 from amp_trainer.export import load_model, load_tokenizer, make_sample_batch
-from tests.helpers.recipes import BERT
-from tests.helpers.repo import REPO_ROOT, subprocess_env
+from tests.helpers.recipes import BERT, expect_success, run
+from tests.helpers.repo import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -59,15 +58,8 @@ ARGS = [
 def bert_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("truth") / "r"
     cache = tmp_path_factory.mktemp("cache")
-    result = subprocess.run(
-        [sys.executable, BERT, *ARGS, "--output_dir", str(out)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(AMP_TRAINER_CACHE=str(cache)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-4000:]}"
+    command = [sys.executable, BERT, *ARGS, "--output_dir", str(out)]
+    result = expect_success(run(command, str(cache), timeout=300))
     return out, result.stdout + result.stderr
 
 

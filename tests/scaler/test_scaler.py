@@ -36,6 +36,22 @@ def _backward(model: nn.Module, scaler, seed: int = 1, poison: float | None = No
     return loss
 
 
+def _record_host_syncs(monkeypatch) -> list[str]:
+    """The list each device-to-host read (``item``, ``tolist``, ``bool``, ``float``, ``cpu``) of
+    any tensor appends its name to, until ``monkeypatch.undo()``: how many times a step waits for
+    the device."""
+    syncs: list[str] = []
+    for method in ("item", "tolist", "__bool__", "__float__", "cpu"):
+        original = getattr(torch.Tensor, method)
+
+        def spy(self, *args, _original=original, _name=method, **kwargs):
+            syncs.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, spy)
+    return syncs
+
+
 def _optimizer(kind: str, params) -> torch.optim.Optimizer:
     factories = {
         "sgd_momentum": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
@@ -125,15 +141,7 @@ def test_unscale_runs_one_fused_kernel_per_dtype_group_and_syncs_once(monkeypatc
         launches.append(len(grads))
         return kernel(grads, found_inf, inv_scale)
 
-    syncs: list[str] = []
-    for method in ("item", "tolist", "__bool__", "__float__", "cpu"):
-        original = getattr(torch.Tensor, method)
-
-        def spy(self, *args, _original=original, _name=method, **kwargs):
-            syncs.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, method, spy)
+    syncs = _record_host_syncs(monkeypatch)
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", counting_kernel)
 
     scaler.step(opt)
@@ -596,15 +604,7 @@ def test_overflow_attribution_reads_back_once_per_device_not_once_per_tensor(mon
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler("cpu").watch(model)
     _backward(model, scaler, poison=math.inf)
-    syncs: list[str] = []
-    for method in ("item", "tolist", "__bool__", "__float__", "cpu"):
-        original = getattr(torch.Tensor, method)
-
-        def spy(self, *args, _original=original, _name=method, **kwargs):
-            syncs.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, method, spy)
+    syncs = _record_host_syncs(monkeypatch)
     scaler.step(opt)
     scaler.update()
     monkeypatch.undo()

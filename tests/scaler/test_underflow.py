@@ -20,18 +20,9 @@ class _ScaledLossBert(torch.nn.Module):
 
     def __init__(self, factor: float = 1e-4, seed: int = 0):
         super().__init__()
-        from transformers import BertConfig, BertForSequenceClassification
-
-        torch.manual_seed(seed)
-        config = BertConfig(
-            vocab_size=1000,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=64,
+        self.bert = make_tiny_bert(
+            vocab_size=1000, seed=seed, hidden_size=64, intermediate_size=128
         )
-        self.bert = BertForSequenceClassification(config)
         self.factor = factor
 
     def forward(self, input_ids, labels, attention_mask=None):

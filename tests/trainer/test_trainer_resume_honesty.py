@@ -7,7 +7,6 @@ import errno
 import json
 import logging
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from amp_trainer import AmpTrainer
 from amp_trainer.checkpointing import AMP_STATE_FILE
 from amp_trainer.checkpointing.completeness import INCOMPLETE_MARKER
 from amp_trainer.recipes.reporting import summarize_loss_scale
+from tests.helpers.disks import tiny_disk
 from tests.helpers.tiny_models import make_tiny_bert
 from tests.helpers.training import (
     InjectOverflow,
@@ -271,16 +271,11 @@ def test_disk_full_during_a_checkpoint_save_is_one_enospc_error_without_a_partia
 
 def test_disk_full_on_a_real_small_file_system_removes_the_partial_checkpoint(tmp_path):
     disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root); the fake-ENOSPC test covers it")
+    unmount = tiny_disk(disk, "160k", skip_note="; the fake-ENOSPC test covers it")
     try:
         trainer = make_trainer(disk, max_steps=1, save_steps=1)
         with pytest.raises(OSError, match="no space left on device saving checkpoint-1"):
             trainer.train()
         assert list(disk.iterdir()) == []
     finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        unmount()

@@ -164,25 +164,10 @@ def accelerator_check(
     model = sharded_bert()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prepared, optimizer = accelerator.prepare(model, optimizer)
-    scaler = accelerator.loss_scaler
-    skipped, scales, names = [], [], []
-    for step in range(4):
-        loss = prepared(**batch(step, rank)).loss
-        accelerator.backward(loss)
-        if step == 2 and rank == 1:
-            prepared.get_parameter("classifier.weight").grad.to_local().view(-1)[0] = float("inf")
-        accelerator.clip_grad_norm_(prepared.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        skipped.append(accelerator.optimizer_step_was_skipped)
-        scales.append(scaler.get_scale())
-        names.append(list(scaler.stats.last_overflow_params) if skipped[-1] else [])
     result = {
         "wrapper": type(prepared).__name__,
         "same_object": prepared is model,
-        "skipped": skipped,
-        "scales": scales,
-        "names": names,
+        **accelerate_steps(accelerator, prepared, optimizer, range(4), rank),
     }
     return result, full_params(prepared)
 
@@ -218,6 +203,8 @@ def forced_fsdp2_accelerator() -> tuple[AmpAccelerator, torch.nn.Module, Any]:
 
 
 def accelerate_steps(accelerator, model, optimizer, steps, rank: int) -> dict[str, list]:
+    """Train ``steps`` (an inf in rank 1's gradient shard at step 2, clipped at 1.0): each step's
+    skip, loss scale and overflowing parameter names."""
     scaler = accelerator.loss_scaler
     out: dict[str, list] = {"skipped": [], "scales": [], "names": []}
     for step in steps:

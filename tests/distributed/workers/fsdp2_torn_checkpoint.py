@@ -31,8 +31,7 @@ from pathlib import Path
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from amp_trainer import AmpTrainingArguments
-from tests.distributed.workers.trainer_fsdp2 import ForcedFSDP2Trainer
+from tests.distributed.workers.trainer_fsdp2 import ForcedFSDP2Trainer, fsdp2_args
 from tests.helpers.distributed import leave_without_teardown
 from tests.helpers.tiny_models import make_tiny_bert
 from tests.helpers.training import ToyClassification
@@ -51,31 +50,8 @@ class StepsTrained(TrainerCallback):
 
 
 def trainer(run_dir: Path, cls: type = ForcedFSDP2Trainer, **overrides) -> ForcedFSDP2Trainer:
-    settings = dict(
-        output_dir=str(run_dir),
-        use_cpu=True,
-        fp16=True,
-        max_steps=6,
-        logging_steps=1,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        loss_scale_init=1024.0,
-        save_strategy="steps",
-        save_steps=2,
-        save_total_limit=1,  # a torn checkpoint must not rotate the last complete one away
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-        fsdp="full_shard",
-        fsdp_config={
-            "version": 2,
-            "transformer_layer_cls_to_wrap": ["BertLayer"],
-            "reshard_after_forward": True,
-            "cpu_ram_efficient_loading": False,
-            "state_dict_type": "SHARDED_STATE_DICT",
-        },
-    )
-    args = AmpTrainingArguments(**{**settings, **overrides})
+    # save_total_limit=1: a torn checkpoint must not rotate the last complete one away.
+    args = fsdp2_args(run_dir, **{"save_steps": 2, "save_total_limit": 1, **overrides})
     return cls(
         model=make_tiny_bert(seed=0),
         args=args,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,8 +65,10 @@ class ForcedFSDP2Trainer(AmpTrainer):
         return loss
 
 
-def trainer(out_dir: Path, inject: bool = False) -> ForcedFSDP2Trainer:
-    args = AmpTrainingArguments(
+def fsdp2_args(out_dir: Path, **overrides: Any) -> AmpTrainingArguments:
+    """The FSDP2 workers' run: 6 fp16 steps of batch 4, a sharded (DCP) checkpoint every 3
+    steps; ``overrides`` win."""
+    settings: dict[str, Any] = dict(
         output_dir=str(out_dir),
         use_cpu=True,
         fp16=True,
@@ -88,6 +91,11 @@ def trainer(out_dir: Path, inject: bool = False) -> ForcedFSDP2Trainer:
             "state_dict_type": "SHARDED_STATE_DICT",
         },
     )
+    return AmpTrainingArguments(**{**settings, **overrides})
+
+
+def trainer(out_dir: Path, inject: bool = False) -> ForcedFSDP2Trainer:
+    args = fsdp2_args(out_dir)
     run = ForcedFSDP2Trainer(
         model=make_tiny_bert(seed=0), args=args, train_dataset=ToyClassification(64, seed=1)
     )
