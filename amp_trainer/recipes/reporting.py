@@ -33,6 +33,7 @@ __all__ = [
     "accuracy_against_majority",
     "activation_memory",
     "describe_activation_memory",
+    "describe_export_parity",
     "describe_optimizer_steps",
     "describe_underflow",
     "first_batch",
@@ -116,6 +117,23 @@ def describe_optimizer_steps(state: Any) -> str:
     applied = int(state.global_step)
     attempts = int(getattr(state, "optimizer_step_attempts", applied))
     return f"applied {applied} of {attempts} attempts"
+
+
+def describe_export_parity(report: Any) -> str:
+    """The summary's "fp16 export parity": the verdict with the evidence it rests on.
+
+    ``report`` is the :class:`~amp_trainer.ExportReport`. A bare "passed" on four sentences reads
+    like a proof; the positions compared go beside it, and when the report finds the evidence thin
+    (a stand-in sample, or too few positions for the top-1 threshold) the row says so and points
+    at the report, which says why.
+    """
+    verdict = "passed" if report.passed else "FAILED"
+    if not report.parity:
+        return verdict
+    positions = min(result.positions for result in report.parity.values())
+    if report.thin_evidence:
+        return f"{verdict} on thin evidence ({positions} positions; fp16_export/report.md says why)"
+    return f"{verdict} ({positions} positions)"
 
 
 def activation_memory(

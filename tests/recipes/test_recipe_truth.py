@@ -143,3 +143,23 @@ def test_the_underflow_check_is_the_same_in_summary_metrics_and_log(bert_run):
         f"{100 * share:.2f}%, headroom {checks[0]['grad_headroom']:.1f} doublings "
         "(logged at step 1; 1 check(s))"
     )
+
+
+def test_the_export_row_gives_the_positions_and_says_the_evidence_is_thin(bert_run):
+    """The summary's parity row carries the positions the written report compared and says that
+    they are thin evidence, as the report does: a sequence classifier compares one position per
+    sentence, and the recipe's 8 export texts are far fewer than the top-1 threshold needs
+    (3 / (1 - 0.98) = 150 by the rule of three). ``metrics.json`` holds the report's reasons."""
+    out, output = bert_run
+    metrics = json.loads((out / "metrics.json").read_text())
+    report = json.loads((out / "fp16_export_report.json").read_text())
+    positions = min(result["positions"] for result in report["parity"].values())
+    assert positions == len(metrics["fp16_export_sample_texts"]) == 8
+    assert report["passed"] and metrics["fp16_export_passed"]
+    assert (
+        report["thin_evidence"] and metrics["fp16_export_thin_evidence"] == report["thin_evidence"]
+    )
+    assert table_value(output, "fp16 export parity") == (
+        "passed on thin evidence (8 positions; fp16_export/report.md says why)"
+    )
+    assert "thin evidence" in (out / "fp16_export" / "report.md").read_text()
