@@ -1,7 +1,7 @@
 """A recipe's ``--help``, answered before torch and transformers are imported.
 
-Why: ``python recipes/finetune_bert.py --help`` used to build transformers' argument parser
-first, which imports transformers and torch: 20-60 s on a busy laptop to print a page of text.
+Why: building transformers' argument parser to answer ``--help`` imports transformers and
+torch: 20-60 s on a busy laptop to print a page of text.
 Here the page is made from what needs neither: the recipe's own flag dataclasses (plain
 dataclasses), :class:`~amp_trainer.recipes.config.RunArguments`, and two tables: amp-trainer's
 precision and loss-scaler flags (:data:`AMP_TRAINER_FLAGS`, the fields of
