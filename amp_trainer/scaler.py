@@ -544,8 +544,9 @@ class DynamicLossScaler:
         """Create the scale tensors on ``dev`` now (torch's private name for it).
 
         Accelerate's FSDP2 ``load_state`` calls this torch-private method right after
-        ``load_state_dict`` (accelerate 1.15, ``Accelerator.load_state``); without it, resuming
-        an FSDP2 run with our scaler would raise ``AttributeError``.
+        ``load_state_dict`` (accelerate 1.10 to 1.15, ``Accelerator.load_state``; 1.16 no
+        longer does); without it, resuming an FSDP2 run with our scaler there would raise
+        ``AttributeError``.
         """
         if self._enabled:
             self._device_tensors(torch.device(dev))

@@ -15,7 +15,7 @@ rule:
 
 The launcher's ``no`` is not a choice here: ``accelerate launch`` exports ``no`` as well when
 neither its flags nor a config file chose anything, and the script cannot tell the two apart
-(accelerate 1.10 to 1.15 alike). ``--precision fp32`` is how to ask for fp32. The launcher's
+(accelerate 1.10 to 1.16 alike). ``--precision fp32`` is how to ask for fp32. The launcher's
 ``fp8`` is refused unless a precision flag is given: the recipes train in fp16, bf16 or fp32.
 """
 
@@ -167,7 +167,7 @@ def _parent_argv() -> list[str]:
 
 def one_process_notice(world_size: int, script: str) -> str | None:
     """The line for ``accelerate launch --num_processes 2 --cpu``, which starts ONE process on
-    a CPU (accelerate 1.10 to 1.15: ``--cpu`` runs the single-process launcher and drops
+    a CPU (accelerate 1.10 to 1.16: ``--cpu`` runs the single-process launcher and drops
     ``--num_processes``), so the run trains with ``world_size=1`` without a word. ``None`` when
     the run has the processes it asked for, or was not started by ``accelerate launch``."""
     asked = processes_asked(_parent_argv())

@@ -245,7 +245,7 @@ def resume_command(argv: Sequence[str], output_dir: str, checkpoint: str | None 
     )
 
 
-# What each launcher exports to the script it starts. accelerate launch (1.10 to 1.15) exports
+# What each launcher exports to the script it starts. accelerate launch (1.10 to 1.16) exports
 # ACCELERATE_MIXED_PRECISION from its simple, multi-GPU and DeepSpeed launchers alike and
 # ACCELERATE_DYNAMO_BACKEND from the first two; its multi-process launchers run torchrun's
 # elastic agent underneath, so accelerate's variables are looked at first. torchrun's agent exports

@@ -3,24 +3,31 @@
 
 from __future__ import annotations
 
-import importlib.metadata
+import inspect
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 
 from tests.helpers.repo import REPO_ROOT, subprocess_env
 
-# Accelerate before 1.13 loads an FSDP2 optimizer through DCP into ``optimizer.state_dict()`` (a
-# fresh optimizer's: no state, integer keys) instead of ``get_optimizer_state_dict`` (FQN keys),
-# so no saved AdamW state is read and the resumed run steps from zero moments. Fixed upstream in
-# 1.13.0 by huggingface/accelerate#3904; 1.10.0 (our lowest) and 1.12.0 fail, 1.13.0 passes.
+
+def _accelerate_loads_fsdp2_optimizer_state_by_name() -> bool:
+    """Whether Accelerate's ``load_fsdp_optimizer`` builds the DCP load target with
+    ``get_optimizer_state_dict`` (parameter names as keys), as 1.13.0 and later do
+    (huggingface/accelerate#3904). Before, it loads into a fresh ``optimizer.state_dict()`` (no
+    state, integer keys), so no saved AdamW state is read and the resumed run steps from zero
+    moments. A feature check on the function itself, not on a version number."""
+    from accelerate.utils import fsdp_utils
+
+    return "get_optimizer_state_dict" in inspect.getsource(fsdp_utils.load_fsdp_optimizer)
+
+
 XFAIL_FSDP2_OPTIMIZER_NOT_RESUMED = pytest.mark.xfail(
-    Version(importlib.metadata.version("accelerate")) < Version("1.13.0"),
-    reason="accelerate<1.13 load_state/load_fsdp_optimizer under FSDP2 restores no optimizer "
+    not _accelerate_loads_fsdp2_optimizer_state_by_name(),
+    reason="this accelerate's load_state/load_fsdp_optimizer under FSDP2 restores no optimizer "
     "state (loads DCP into optimizer.state_dict(), not get_optimizer_state_dict; fixed by "
     "huggingface/accelerate#3904 in 1.13.0)",
     strict=True,

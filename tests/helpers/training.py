@@ -133,7 +133,7 @@ class RecordSkipFlags(TrainerCallback):
 def force_stock_native_fp16(trainer: Trainer, **grad_scaler_kwargs: Any) -> None:
     """Put a stock Trainer on the fp16 path Accelerate takes on CUDA, but on this CPU.
 
-    ``Accelerator.__init__`` (accelerate 1.15) sets exactly two attributes for fp16 on CUDA:
+    ``Accelerator.__init__`` (accelerate 1.10 to 1.16) sets exactly two attributes for fp16 on CUDA:
     ``native_amp = True`` and ``scaler = torch.amp.GradScaler(...)``; on a CPU it sets neither
     (defect 3). Setting them after ``Trainer.__init__`` and before ``train()`` (which calls
     ``prepare``) is the least invasive way to run the unmodified stock code path: ``prepare``

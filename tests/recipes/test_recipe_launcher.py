@@ -7,27 +7,32 @@ the recipe config file's ``precision``; each override is one line. Before, the o
 ``precision: fp16`` won without a word over ``accelerate launch --mixed_precision bf16``.
 
 Errors: the recipe's one line is always there; ``accelerate launch`` then adds its own
-``CalledProcessError`` traceback and turns exit 2 into 1, and ``accelerate launch -q`` leaves the
-one line alone (still exit 1). The subprocess tests run the real recipe through the real
-``accelerate`` command; the in-process ones set ``ACCELERATE_MIXED_PRECISION`` as the launcher
-does, for the cases this machine's launcher cannot start (fp8) or that need no training run.
+``CalledProcessError`` traceback (1.16: with the recipe's line repeated as its cause) and turns
+exit 2 into 1, and ``accelerate launch -q`` leaves the one line alone (still exit 1).
+The subprocess tests run the real recipe through the real ``accelerate`` command; the
+in-process ones set ``ACCELERATE_MIXED_PRECISION`` as the launcher does, for the cases this
+machine's launcher cannot start (fp8) or that need no training run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from amp_trainer.recipes.config import EXIT_USAGE, UsageError, run_entry_point
 from amp_trainer.recipes.run import RecipeRun
-from tests.helpers.recipes import BERT, FP64_USAGE_ERROR, QUIET_LAUNCHER, launch
-from tests.helpers.repo import REPO_ROOT
+from tests.helpers.recipes import ACCELERATE, BERT, FP64_USAGE_ERROR, QUIET_LAUNCHER, launch
+from tests.helpers.repo import REPO_ROOT, subprocess_env
 
 OFFLINE_YAML = REPO_ROOT / "configs" / "bert_offline.yaml"  # precision: fp16
 ONE_STEP = ["--max_steps", "1", "--max_train_samples", "16", "--max_eval_samples", "8"]
@@ -201,6 +206,16 @@ def test_help_under_the_launcher_shows_the_precision_that_would_run(monkeypatch,
 # --------------------------------------------------------------------------------------------
 
 
+def launcher_chains_the_childs_stderr() -> bool:
+    """Whether the installed one-process launcher keeps the tail of the child's stderr and
+    raises it as the cause of its ``CalledProcessError`` (accelerate 1.16 does; 1.10 to 1.15
+    pass stderr through untouched). A feature check, so a backport or a later change of the
+    shape is caught by the test below rather than read off a version number."""
+    from accelerate.commands import launch as accelerate_launch
+
+    return hasattr(accelerate_launch, "CHILD_STDERR_TAIL_CHUNKS")
+
+
 @pytest.mark.slow
 def test_a_usage_error_under_accelerate_launch_is_the_one_line_then_the_launchers_traceback(
     tmp_path, cache
@@ -211,12 +226,29 @@ def test_a_usage_error_under_accelerate_launch_is_the_one_line_then_the_launcher
     lines = result.stderr.splitlines()
     assert result.returncode == 1  # the launcher's; the recipe exited 2
     assert lines[0] == FP64_USAGE_ERROR
-    assert lines[1] == "Traceback (most recent call last):"
-    # The launcher's interpreter, then the recipe's command line and its exit status.
+    # Both shapes end in the launcher's interpreter, the recipe's command line, its exit status.
     assert lines[-1].startswith("subprocess.CalledProcessError: Command '['")
     assert lines[-1].endswith(f"{BERT!r}, '--precision', 'fp64']' returned non-zero exit status 2.")
-    assert len(lines) == 12  # accelerate 1.10 and 1.15: the one line, 11 of the launcher's
     assert result.stdout == ""
+    if launcher_chains_the_childs_stderr():
+        # accelerate 1.16: the recipe's line again, as the RuntimeError that caused the
+        # launcher's CalledProcessError, then the chained traceback.
+        assert lines[1] == f"RuntimeError: {FP64_USAGE_ERROR}"
+        assert lines[2:7] == [
+            "",
+            "",
+            "The above exception was the direct cause of the following exception:",
+            "",
+            "Traceback (most recent call last):",
+        ]
+        assert all(line.startswith("  ") for line in lines[7:-1])  # the launcher's frames
+        assert len(lines) == 19
+    else:
+        # accelerate 1.10 to 1.15: the one line, then the launcher's 11.
+        assert lines[1] == "Traceback (most recent call last):"
+        assert all(line.startswith("  ") for line in lines[2:-1])
+        assert "RuntimeError" not in result.stderr
+        assert len(lines) == 12
 
 
 @pytest.mark.slow
@@ -281,3 +313,56 @@ def test_two_processes_asked_with_cpu_say_that_one_runs_and_how_to_run_two(tmp_p
         "runs one process); for several CPU processes use the config that does: accelerate "
         "launch --config_file configs/accelerate/cpu_2proc.yaml recipes/finetune_bert.py"
     )
+
+
+def launcher_terminates_its_child() -> bool:
+    """Whether the installed one-process launcher passes SIGTERM on to the script it started
+    (accelerate 1.16: terminate, then kill 5 s later); 1.10 to 1.15 exit alone. A feature
+    check, as above."""
+    from accelerate.commands import launch as accelerate_launch
+
+    return hasattr(accelerate_launch, "_terminate_process_tree")
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_one_process_launcher_reaches_the_recipe_only_where_the_launcher_passes_it_on(
+    tmp_path, cache
+):
+    """docs/guides/recipes.md, "Preemption": what SIGTERM to ``accelerate launch`` does to the
+    recipe it runs, on the installed accelerate."""
+    args = [ACCELERATE, "launch", "--mixed_precision", "no", *QUIET_LAUNCHER, BERT]
+    args += ["--max_steps", "100000", "--max_train_samples", "64", "--max_eval_samples", "8"]
+    args += ["--save_strategy", "no", "--eval_strategy", "no", "--disable_tqdm", "true"]
+    args += ["--output_dir", str(tmp_path / "run")]
+    env = subprocess_env(AMP_TRAINER_CACHE=cache, HF_HOME=str(tmp_path / "hf_home"))
+    with (tmp_path / "stderr.txt").open("wb") as stderr:
+        launcher = subprocess.Popen(
+            args, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+        try:
+            deadline = time.monotonic() + 120
+            recipe = None
+            while recipe is None and time.monotonic() < deadline:
+                children = psutil.Process(launcher.pid).children()
+                recipe = children[0] if children else None
+                time.sleep(0.2)
+            assert recipe is not None, "the launcher started no recipe process"
+            time.sleep(3)  # into the recipe's start-up; SIGTERM there ends it as usual
+            launcher.send_signal(signal.SIGTERM)
+            launcher_status = launcher.wait(timeout=60)
+            try:
+                recipe_alive = recipe.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                recipe_alive = False
+        finally:
+            for process in [launcher, *([recipe] if recipe is not None else [])]:
+                with contextlib.suppress(psutil.Error, OSError):
+                    process.kill()
+    seen = f"launcher exit {launcher_status}, recipe alive: {recipe_alive}\n"
+    seen += (tmp_path / "stderr.txt").read_text(errors="replace")[-3000:]
+    if launcher_terminates_its_child():
+        # Terminated (and waited for) before the launcher exits.
+        assert not recipe_alive and launcher_status == 128 + signal.SIGTERM, seen
+    else:
+        # Orphaned: it would train on.
+        assert recipe_alive and launcher_status == -signal.SIGTERM, seen

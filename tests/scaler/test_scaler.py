@@ -591,7 +591,7 @@ def test_scaler_pickles_and_deep_copies():
 
 
 def test_accelerate_fsdp2_load_path_can_initialise_the_scaler_after_loading():
-    """Accelerate 1.15's FSDP2 load_state calls this torch-private method after loading."""
+    """Accelerate 1.10-1.15's FSDP2 load_state calls this torch-private method after loading."""
     scaler = DynamicLossScaler("cpu")
     scaler.load_state_dict({"scale": 256.0, "_growth_tracker": 3})
     scaler._lazy_init_scale_growth_tracker(scaler._device)

@@ -20,9 +20,9 @@ Checks:
   CPU: Accelerate 1.15 enables FSDP only on accelerators, so the test sets the state's
   ``distributed_type`` to FSDP after building the accelerator, as a GPU launch would have. FP32
   norms, an overflow on one rank, ``save_state`` at step 4, two more steps; then a fresh
-  accelerator, model and optimizer ``load_state`` it (DCP's dummy optimizer step runs through our
-  scaler) and run the same two steps: parameters and scaler state must equal the uninterrupted
-  run's.
+  accelerator, model and optimizer ``load_state`` it (DCP's dummy optimizer step runs through
+  our scaler, unless Accelerate unwraps the optimizer for it, as 1.16 does) and run the same two
+  steps: parameters and scaler state must equal the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from amp_trainer import AmpAccelerator, DynamicLossScaler, keep_norms_in_fp32
+from tests.helpers.distributed import leave_without_teardown
 from tests.helpers.tiny_models import make_tiny_bert
 
 STEPS = 6
@@ -242,7 +243,13 @@ def accelerate_fsdp2_check(rank: int, out_dir: Path) -> tuple[dict[str, Any], to
     uninterrupted = full_params(model)
 
     resumed, model2, optimizer2 = forced_fsdp2_accelerator()
+    # Count the scaler steps load_state makes: DCP's dummy optimizer step reaches the scaler
+    # through Accelerate's optimizer wrapper unless Accelerate unwraps it first (1.16).
+    steps_during_load = []
+    scaler_step = resumed.loss_scaler.step
+    resumed.loss_scaler.step = lambda *a, **k: steps_during_load.append(1) or scaler_step(*a, **k)
     resumed.load_state(str(checkpoint))
+    del resumed.loss_scaler.step
     loaded_scaler = resumed.loss_scaler.state_dict()
     again = accelerate_steps(resumed, model2, optimizer2, range(4, 6), rank)
     result = {
@@ -254,6 +261,7 @@ def accelerate_fsdp2_check(rank: int, out_dir: Path) -> tuple[dict[str, Any], to
         "rest": rest,
         "resumed": again,
         "scaler_after_load_equals_saved": loaded_scaler == saved_scaler,
+        "scaler_steps_during_load": len(steps_during_load),
         "scaler_final_equal": resumed.loss_scaler.state_dict()
         == accelerator.loss_scaler.state_dict(),
         "params_equal_after_resume": bool(torch.equal(full_params(model2), uninterrupted)),
@@ -284,8 +292,9 @@ def main() -> None:
     run("accelerator", lambda: accelerator_check(accelerator, rank), out_dir, rank, results)
     run("accelerate_fsdp2", lambda: accelerate_fsdp2_check(rank, out_dir), out_dir, rank, results)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    accelerator.end_training()
+    # Its results are written: skip interpreter teardown, where gloo's and DCP's C++ threads
+    # sometimes abort a rank (seen here with accelerate 1.10 and 1.16 under pytest -n 2).
+    leave_without_teardown()
 
 
 if __name__ == "__main__":
