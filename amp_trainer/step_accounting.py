@@ -43,6 +43,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -232,7 +233,8 @@ class StepAccounting:
             return
         saved = state.__dict__
         if "train_dataloader_epoch" not in saved or "train_dataloader_batches_seen" not in saved:
-            return  # an older checkpoint: stock's own position, from global_step
+            self._say_the_old_position_differs(state)  # stock's own position, from global_step
+            return
         updates = self._plan["updates_per_epoch"]
         epoch, seen = (
             int(saved["train_dataloader_epoch"]),
@@ -246,6 +248,35 @@ class StepAccounting:
             self._discard = 0 if self.trainer.args.ignore_data_skip else seen
         self._true_global_step = state.global_step
         state.global_step = position
+
+    def _say_the_old_position_differs(self, state: TrainerState) -> None:
+        """A checkpoint without the batch position (written before amp-trainer saved it) resumes
+        at stock's position, ``global_step`` updates' worth of batches. That is where the
+        interrupted run was only if it skipped no update: each skipped attempt read its batches
+        too. Say so once, with the count, where the checkpoint shows skips (or cannot tell)."""
+        skipped = skipped_attempts_before(self._checkpoint, state)
+        if skipped == 0:
+            return
+        accumulation = self.trainer.args.gradient_accumulation_steps
+        if skipped is None:
+            what = (
+                "it does not record whether updates were skipped before it; each skipped one "
+                f"read {accumulation} batch(es) that this resume reads again"
+            )
+        else:
+            what = (
+                f"the interrupted run had skipped {skipped} update(s) by then, so it had read "
+                f"{skipped * accumulation} batch(es) more than that position: this resume reads "
+                "them again, and its weights will not be those of an uninterrupted run"
+            )
+        logger.warning(
+            "%s has no train_dataloader_epoch / train_dataloader_batches_seen (saved by an older "
+            "amp-trainer): the run resumes at the data position global_step=%d gives, as stock "
+            "Trainer does; %s.",
+            Path(str(self._checkpoint)).name,
+            state.global_step,
+            what,
+        )
 
     def train_begin(self, state: TrainerState) -> None:
         """At ``on_train_begin``: the real ``global_step`` back; the counters and position set."""
@@ -545,3 +576,26 @@ def install_step_aware_handler(handler: CallbackHandler, accounting: StepAccount
         cls = _StepAwareCallbackHandler
     handler.__class__ = cls
     handler.step_accounting = accounting
+
+
+def skipped_attempts_before(checkpoint: str | None, state: TrainerState) -> int | None:
+    """Updates skipped before ``checkpoint``: from its attempt counter where it has one, else
+    the skipped attempts its ``amp_trainer_state.json`` scale history lists (every skipped
+    attempt is an entry), else the last cumulative ``skipped_steps`` logged at its step; ``None``
+    when none of them tells."""
+    attempts = state.__dict__.get("optimizer_step_attempts")
+    if isinstance(attempts, int):
+        return max(attempts - state.global_step, 0)
+    if checkpoint is not None:
+        try:
+            saved = json.loads((Path(checkpoint) / "amp_trainer_state.json").read_text("utf-8"))
+            history = saved["scale_history"]
+            return sum(1 for entry in history if entry.get("skipped"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    logged = [
+        entry["skipped_steps"]
+        for entry in state.log_history
+        if "skipped_steps" in entry and entry.get("step") == state.global_step
+    ]
+    return int(logged[-1]) if logged else None

@@ -234,6 +234,13 @@ class AmpTrainingArguments(TrainingArguments):
                 "loss_scale_underflow_check_interval must be an int >= 0 (0: no checks), got "
                 f"{interval!r}"
             )
+        if self.loss_scale_grow_on_underflow and interval == 0:
+            # The two-sided rule acts on the meter's readings; with the meter off it never would.
+            raise ValueError(
+                "loss_scale_grow_on_underflow=True needs the underflow meter, but "
+                "loss_scale_underflow_check_interval=0 turns it off: set the interval to N > 0 "
+                "(checks every N optimizer steps; default 500) or grow_on_underflow to False"
+            )
 
     def _resolve_precision(self) -> str:
         requested = self.precision

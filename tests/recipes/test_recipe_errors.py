@@ -66,8 +66,25 @@ def out_dir(tmp_path):
         (["--loss_scale_backoff_factor", "2"], "loss_scale_backoff_factor"),
         (["--precision", "fp32", "--bf16", "true"], "contradicts"),
         (["--config", "/no/such/config.yaml"], "does not exist"),
+        (
+            [
+                "--loss_scale_grow_on_underflow",
+                "true",
+                "--loss_scale_underflow_check_interval",
+                "0",
+            ],
+            "loss_scale_grow_on_underflow=True needs the underflow meter, but "
+            "loss_scale_underflow_check_interval=0 turns it off",
+        ),
     ],
-    ids=["unknown-flag", "bad-int", "bad-scaler-value", "contradictory-precision", "no-config"],
+    ids=[
+        "unknown-flag",
+        "bad-int",
+        "bad-scaler-value",
+        "contradictory-precision",
+        "no-config",
+        "grow-on-underflow-without-the-meter",
+    ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(recipe, tmp_path, capsys, args, message):
     code, line = recipe([*args, *out_dir(tmp_path)], capsys)

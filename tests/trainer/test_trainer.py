@@ -138,6 +138,26 @@ def test_min_above_max_loss_scale_error_names_both_arguments(tmp_path):
         )
 
 
+def test_grow_on_underflow_with_the_meter_off_is_one_error_naming_both_arguments(tmp_path):
+    # The rule acts only on the meter's readings: with interval 0 it could never act.
+    with pytest.raises(ValueError) as raised:
+        AmpTrainingArguments(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            loss_scale_grow_on_underflow=True,
+            loss_scale_underflow_check_interval=0,
+        )
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "loss_scale_grow_on_underflow=True needs the underflow meter, but "
+        "loss_scale_underflow_check_interval=0 turns it off: set the interval to N > 0"
+    )
+    # Each alone is fine: the meter without the rule, or the rule with the default interval.
+    AmpTrainingArguments(output_dir=str(tmp_path), loss_scale_underflow_check_interval=0)
+    AmpTrainingArguments(output_dir=str(tmp_path), loss_scale_grow_on_underflow=True)
+
+
 def test_arguments_parse_from_cli_flags(tmp_path):
     parser = HfArgumentParser(AmpTrainingArguments)
     (args,) = parser.parse_args_into_dataclasses(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import shutil
 
 import pytest
 import torch
@@ -322,7 +324,7 @@ def test_a_stream_with_nothing_left_to_read_stops_training_and_says_so(tmp_path,
 
 
 def test_a_checkpoint_without_the_attempt_counter_resumes_with_attempts_equal_to_global_step(
-    tmp_path,
+    tmp_path, caplog
 ):
     whole, _ = _run(tmp_path / "whole", save_strategy="steps", save_steps=3)
     whole.train()
@@ -333,10 +335,76 @@ def test_a_checkpoint_without_the_attempt_counter_resumes_with_attempts_equal_to
     state_path.write_text(json.dumps(state), encoding="utf-8")
 
     resumed, _ = _run(tmp_path / "resumed", save_strategy="steps", save_steps=3)
-    resumed.train(resume_from_checkpoint=str(state_path.parent))
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(state_path.parent))
 
     assert resumed.state.optimizer_step_attempts == resumed.state.global_step == 6
     _assert_same_weights(_weights(resumed), _weights(whole))
+    assert _old_position_lines(caplog) == []  # no skip before it: the position is exact
+
+
+def _strip_the_position(checkpoint) -> None:
+    """Make ``checkpoint`` look written by an amp-trainer that saved no batch position."""
+    state_path = checkpoint / "trainer_state.json"
+    state = json.loads(state_path.read_text(encoding="utf-8"))
+    for name in step_accounting.STEP_FIELDS:
+        del state[name]
+    state_path.write_text(json.dumps(state), encoding="utf-8")
+
+
+def _old_position_lines(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and "has no train_dataloader_epoch" in r.getMessage()
+    ]
+
+
+def test_an_old_checkpoint_after_a_skip_says_once_that_the_resume_reads_other_batches(
+    tmp_path, caplog
+):
+    whole, _ = _run(tmp_path / "whole", overflow_attempts={2}, save_strategy="steps", save_steps=3)
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    intact = shutil.copytree(checkpoint, tmp_path / "intact" / "checkpoint-3")
+    _strip_the_position(checkpoint)
+
+    resumed, _ = _run(tmp_path / "resumed", save_strategy="steps", save_steps=3)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    exact, _ = _run(tmp_path / "exact", save_strategy="steps", save_steps=3)
+    exact.train(resume_from_checkpoint=str(intact))
+
+    (line,) = _old_position_lines(caplog)
+    assert line.startswith(
+        "checkpoint-3 has no train_dataloader_epoch / train_dataloader_batches_seen (saved by an "
+        "older amp-trainer): the run resumes at the data position global_step=3 gives"
+    )
+    assert "had skipped 1 update(s) by then, so it had read 1 batch(es) more" in line
+    # What the line says is so: the same checkpoint with its position resumes as the run went
+    # on; without it, at another batch, to other weights.
+    _assert_same_weights(_weights(exact), _weights(whole))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(_weights(resumed).values(), _weights(exact).values())
+    )
+
+
+def test_an_old_checkpoint_that_cannot_tell_its_skips_says_so(tmp_path, caplog):
+    whole, _ = _run(tmp_path / "whole", overflow_attempts={2}, save_strategy="steps", save_steps=3)
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    _strip_the_position(checkpoint)
+    (checkpoint / "amp_trainer_state.json").unlink()
+    state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    state["log_history"] = []
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state), encoding="utf-8")
+
+    resumed, _ = _run(tmp_path / "resumed", save_strategy="steps", save_steps=3)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+
+    (line,) = _old_position_lines(caplog)
+    assert "it does not record whether updates were skipped before it" in line
 
 
 def test_consecutive_skips_stop_the_run_with_global_step_at_the_last_applied_update(tmp_path):
