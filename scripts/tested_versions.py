@@ -82,14 +82,23 @@ def write_row(text: str, env: str, versions: dict[str, str]) -> str:
 
 
 def installed(packages: list[str]) -> dict[str, str]:
-    """This interpreter's version of each package (``not installed`` where absent)."""
+    """This interpreter's release of each package (``not installed`` where absent)."""
     versions = {}
     for package in packages:
         try:
-            versions[package] = importlib.metadata.version(package)
+            versions[package] = public(importlib.metadata.version(package))
         except importlib.metadata.PackageNotFoundError:
             versions[package] = NOT_INSTALLED
     return versions
+
+
+def public(version: str) -> str:
+    """The release without its local label: torch's CPU wheel ``2.13.0+cpu`` is release
+    2.13.0, the same release a GPU user's ``2.13.0+cu130`` is."""
+    try:
+        return Version(version).public
+    except InvalidVersion:
+        return version
 
 
 def _newer(found: str, tested: str) -> bool | None:

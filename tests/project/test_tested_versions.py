@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from packaging.version import Version
 
 from tests.helpers.repo import REPO_ROOT
 
@@ -26,7 +27,7 @@ def load_script():
 
 def version_or_absent(package: str) -> str:
     try:
-        return importlib.metadata.version(package)
+        return Version(importlib.metadata.version(package)).public
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
 
@@ -123,3 +124,15 @@ def test_the_check_ci_runs_exits_0_whatever_it_notices():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("newest environment resolved: torch==")
+
+
+def test_a_local_label_is_the_same_release():
+    # torch's CPU wheel (2.13.0+cpu) is the release the row names (2.13.0): no notice for it.
+    script = load_script()
+    assert script.public("2.13.0+cpu") == "2.13.0"
+    cpu_wheel = {"torch": script.public("2.13.0+cpu")}
+    assert script.notices("newest", {"torch": "2.13.0"}, cpu_wheel) == []
+    assert script.notices("newest", {"torch": "2.13.0"}, {"torch": "2.14.1"}) == [
+        "notice: torch 2.14.1 is newer than the 2.13.0 of docs/development.md's tested row "
+        "'newest' (a notice, not a failure; the suite below tests it)"
+    ]
