@@ -82,6 +82,7 @@ from transformers.utils import is_sagemaker_mp_enabled
 
 from amp_trainer.accelerate_hooks import clip_grad_norm_in_one_pass, install_scaler
 from amp_trainer.checkpointing import CheckpointKeeper
+from amp_trainer.checkpointing.file_checks import check_best_model_checkpoint
 from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import apply_fp32_policy, recorded_fp32_islands, restore_fp32_islands
 from amp_trainer.loss_scale_monitor import LossScaleMonitor
@@ -376,6 +377,14 @@ class AmpTrainerMixin(Trainer):
             if guard.optimizer is not self.optimizer:
                 guard.optimizer = self.optimizer  # names the learning rate if it diverges
         return loss
+
+    def _load_best_model(self) -> None:
+        # load_best_model_at_end reads the folder trainer_state.json names (under FSDP through
+        # DCP's plain pickle.load): checked as a resumed folder is, refused outside output_dir.
+        check_best_model_checkpoint(
+            self.state.best_model_checkpoint, self.args.output_dir, "trainer_state.json"
+        )
+        super()._load_best_model()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         # The FP32 islands the run had added are in the checkpoint's config.json: put them back.

@@ -48,15 +48,17 @@ its own module:
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput
 
 from amp_trainer.checkpointing.callbacks import take_over_jit_checkpoint
-from amp_trainer.checkpointing.file_checks import check_resume_files
-from amp_trainer.checkpointing.layout import AMP_STATE_FILE
+from amp_trainer.checkpointing.file_checks import check_best_model_checkpoint, check_resume_files
+from amp_trainer.checkpointing.layout import AMP_STATE_FILE, TRAINER_STATE_FILE
 from amp_trainer.checkpointing.resume import ResumeAudit
 from amp_trainer.checkpointing.saving import CheckpointSaver
 
@@ -99,6 +101,12 @@ class CheckpointKeeper:
         checkpoint = self.resume.resolve(resume_from_checkpoint)
         if isinstance(checkpoint, (str, os.PathLike)):
             check_resume_files(checkpoint)
+            if self.trainer.args.load_best_model_at_end:
+                state_file = Path(checkpoint) / TRAINER_STATE_FILE
+                if state_file.is_file():
+                    named = json.loads(state_file.read_text("utf-8")).get("best_model_checkpoint")
+                    output_dir = self.trainer.args.output_dir
+                    check_best_model_checkpoint(named, output_dir, str(state_file))
         self.saver.remember_start(checkpoint)
         return checkpoint
 

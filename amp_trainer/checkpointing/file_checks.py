@@ -277,3 +277,28 @@ def check_resume_files(checkpoint: str | Path) -> None:
         check_dcp_folder(dcp_folder)
     if any(folder.glob("*.metadata")):
         check_dcp_folder(folder)
+
+
+def check_best_model_checkpoint(named: str | None, output_dir: str | Path, source: str) -> None:
+    """Check the folder ``trainer_state.json`` names as ``best_model_checkpoint`` as the resumed
+    folder is checked, before ``load_best_model_at_end`` reads it.
+
+    Why: transformers' ``_load_best_model`` reads that folder at the end of training (under
+    FSDP through DCP's plain ``pickle.load``), and a resumed checkpoint from elsewhere can name
+    any folder. One in this run's ``output_dir`` gets every check :func:`check_resume_files`
+    makes; one outside it is refused unread (a checkpoint's own run writes its best model
+    inside its ``output_dir``). ``source`` names where the path was read, for the message.
+    """
+    if not named:
+        return
+    folder = Path(named)
+    root = Path(output_dir).resolve()
+    resolved = folder.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise ValueError(
+            f"{source} names best_model_checkpoint={named!r}, which lies outside output_dir "
+            f"{str(root)!r}: refused unread (load_best_model_at_end would load it, and under "
+            "FSDP reading it can run code). Move the checkpoint folder into output_dir, or set "
+            "best_model_checkpoint to null in that trainer_state.json."
+        )
+    check_resume_files(folder)
