@@ -270,9 +270,9 @@ class StepAccounting:
                 "them again, and its weights will not be those of an uninterrupted run"
             )
         logger.warning(
-            "%s has no train_dataloader_epoch / train_dataloader_batches_seen (saved by an older "
-            "amp-trainer): the run resumes at the data position global_step=%d gives, as stock "
-            "Trainer does; %s.",
+            "%s has no train_dataloader_epoch / train_dataloader_batches_seen (saved by stock "
+            "Trainer or an older amp-trainer): the run resumes at the data position "
+            "global_step=%d gives, as stock Trainer does; %s.",
             Path(str(self._checkpoint)).name,
             state.global_step,
             what,
@@ -587,8 +587,11 @@ def skipped_attempts_before(checkpoint: str | None, state: TrainerState) -> int 
     if isinstance(attempts, int):
         return max(attempts - state.global_step, 0)
     if checkpoint is not None:
+        # Imported here: amp_trainer.checkpointing imports this module.
+        from amp_trainer.checkpointing.layout import AMP_STATE_FILE
+
         try:
-            saved = json.loads((Path(checkpoint) / "amp_trainer_state.json").read_text("utf-8"))
+            saved = json.loads((Path(checkpoint) / AMP_STATE_FILE).read_text("utf-8"))
             history = saved["scale_history"]
             return sum(1 for entry in history if entry.get("skipped"))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -377,8 +377,9 @@ def test_an_old_checkpoint_after_a_skip_says_once_that_the_resume_reads_other_ba
 
     (line,) = _old_position_lines(caplog)
     assert line.startswith(
-        "checkpoint-3 has no train_dataloader_epoch / train_dataloader_batches_seen (saved by an "
-        "older amp-trainer): the run resumes at the data position global_step=3 gives"
+        "checkpoint-3 has no train_dataloader_epoch / train_dataloader_batches_seen (saved by "
+        "stock Trainer or an older amp-trainer): the run resumes at the data position "
+        "global_step=3 gives"
     )
     assert "had skipped 1 update(s) by then, so it had read 1 batch(es) more" in line
     # What the line says is so: the same checkpoint with its position resumes as the run went
