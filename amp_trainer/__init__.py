@@ -42,6 +42,7 @@ __all__ = [
     "keep_norms_in_fp32",
     "load_fp16_export",
     "measure_precision_mismatch",
+    "release_ddp_reducers",
 ]
 
 _WHERE = {
@@ -72,10 +73,12 @@ _WHERE = {
     "diagnose": "amp_trainer.doctor",
     "PrecisionMismatchCallback": "amp_trainer.mismatch",
     "measure_precision_mismatch": "amp_trainer.mismatch",
+    "release_ddp_reducers": "amp_trainer.ddp_teardown",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.accelerate_hooks import AmpAccelerator, install_scaler
+    from amp_trainer.ddp_teardown import release_ddp_reducers
     from amp_trainer.deepspeed import deepspeed_fp16_config
     from amp_trainer.doctor import Diagnosis, StageResult, Verdict, diagnose
     from amp_trainer.export import (

@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import re
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from accelerate.utils import SCALER_NAME, DistributedType
 from accelerate.utils.other import model_has_dtensor
 
 from amp_trainer.checkpointing.file_checks import check_resume_files, check_torch_file
+from amp_trainer.ddp_teardown import release_ddp_reducers
 from amp_trainer.forward_overflow import (
     ForwardOverflow,
     ForwardOverflowGuard,
@@ -274,6 +276,8 @@ class AmpAccelerator(Accelerator):
         self.on_forward_overflow = check_policy(on_forward_overflow)
         self.on_divergence = check_divergence_policy(on_divergence)
         self._forward_overflow: ForwardOverflowGuard | None = None
+        # The DDP wrappers prepare_model() made, for end_training() (see ddp_teardown).
+        self._ddp_wrappers: list[weakref.ref[torch.nn.Module]] = []
         if kwargs.get("mixed_precision") == "auto":
             device = "cpu" if kwargs.get("cpu") else None
             resolved = resolve_precision("auto", device)
@@ -350,9 +354,22 @@ class AmpAccelerator(Accelerator):
             )
             evaluation_mode = True
             device_placement = False
-        return super().prepare_model(
+        prepared = super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )
+        if isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
+            self._ddp_wrappers.append(weakref.ref(prepared))
+        return prepared
+
+    def end_training(self) -> None:
+        """As upstream (trackers finished, process group destroyed), after freeing the gradient
+        Reducer of every DDP wrapper :meth:`prepare_model` made: on gloo, a Reducer left to
+        destroy the process group when the model is freed can deadlock the process after its
+        work is done (see :mod:`amp_trainer.ddp_teardown`). The wrappers cannot train
+        afterwards; the unwrapped models are untouched."""
+        release_ddp_reducers(*(ref() for ref in self._ddp_wrappers))
+        self._ddp_wrappers.clear()
+        super().end_training()
 
     def _amp_prepare(self, model: torch.nn.Module) -> None:
         """FP32 islands and the forward-overflow guard, before DDP or FSDP2 wraps the model.

@@ -38,6 +38,7 @@ from transformers import HfArgumentParser
 
 from amp_trainer import AmpTrainingArguments, export_fp16
 from amp_trainer.atomic_files import write_json_atomic
+from amp_trainer.ddp_teardown import release_ddp_reducers
 from amp_trainer.log_filters import dropping_messages
 from amp_trainer.recipes.arguments import SharedDataArguments, SharedModelArguments
 from amp_trainer.recipes.config import (
@@ -351,7 +352,8 @@ class RecipeRun:
         if not trainer.is_world_process_zero():
             # Leave the process group before exiting: a rank that just returned while gloo's
             # threads were alive was seen to abort ("terminate called without an active
-            # exception").
+            # exception"); the DDP Reducer goes first (see amp_trainer.ddp_teardown).
+            release_ddp_reducers(trainer.model_wrapped)
             trainer.accelerator.end_training()
             self._output.close()
             return
@@ -465,5 +467,6 @@ class RecipeRun:
         for line in [*notes, *([lora_hint] if lora_hint else [])]:
             print(line)
         print(format_table(rows, title=f"{self.name}: {model_args.model_name_or_path}"))
+        release_ddp_reducers(trainer.model_wrapped)
         trainer.accelerator.end_training()
         self._output.close()
