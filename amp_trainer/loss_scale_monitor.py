@@ -104,6 +104,7 @@ class LossScaleMonitor(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._skips_in_a_row = 0
         self._attempt_open = False
+        self._say_the_meter_is_off_under_fsdp(args)
         self._trainer._steps.start_log_window(state)
         trainer = self._trainer
         trainer._overflow_step_loss.start()
@@ -111,6 +112,29 @@ class LossScaleMonitor(TrainerCallback):
             # Sharding in train()'s prepare (Accelerate's FSDP2) replaced the parameter objects
             # the scaler watched; their names stay, so watching again keeps overflows named.
             trainer.loss_scaler.watch(trainer.model)
+
+    def _say_the_meter_is_off_under_fsdp(self, args: Any) -> None:
+        """Once per run: under FSDP the meter (and so the two-sided rule) does not run, because
+        its two extra backward passes would run the engine's reduce-scatter hooks. A warning
+        when the rule was asked for (it cannot act), an INFO line for the meter's default."""
+        trainer = self._trainer
+        interval = getattr(args, "loss_scale_underflow_check_interval", 0)
+        if trainer.loss_scaler is None or not interval or not trainer.is_fsdp_enabled:
+            return
+        if getattr(args, "loss_scale_grow_on_underflow", False):
+            logger.warning(
+                "loss_scale_grow_on_underflow=True does nothing under FSDP: the underflow meter "
+                "it acts on does not run there (its extra backward passes would run FSDP's "
+                "reduce-scatter), so the scale follows the default rule only (growth every "
+                "loss_scale_growth_interval=%s clean steps) and no grad_underflow is logged.",
+                getattr(args, "loss_scale_growth_interval", "?"),
+            )
+        else:
+            logger.info(
+                "The underflow meter (loss_scale_underflow_check_interval=%d) does not run under "
+                "FSDP: no grad_underflow / grad_headroom in the logs.",
+                interval,
+            )
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._close_unreported_attempt(args, state)

@@ -221,8 +221,10 @@ class DynamicLossScaler:
         call it with the step's (unscaled) loss *before* its backward, on the steps you want
         sampled (:class:`~amp_trainer.underflow.UnderflowChecks` shows how, and what it costs).
         The figures go into :attr:`stats`; ``grow_on_underflow=True`` may grow the scale at once.
-        """
-        reading = self._underflow.measure(loss, params, self.get_scale(), self._enabled)
+        Distributed, it is a collective (every rank, same step): the ranks' counts are combined,
+        so all read the whole step's figures and the rule decides the same on each."""
+        scale, group = self.get_scale(), self.process_group
+        reading = self._underflow.measure(loss, params, scale, self._enabled, group)
         if self._enabled:
             self.policy.on_underflow(reading.underflow, reading.fixing_scale, reading.headroom)
         return reading

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_trainer.grad_unscale import distributed
 from amp_trainer.numerics import FP16_MAX
 from amp_trainer.scale_policy import UNDERFLOW_TARGET
 
@@ -125,27 +126,29 @@ def _fp16_values(grad: torch.Tensor) -> int:
 _FP16_EVIDENCE = 16
 
 
-def measure_underflow(
-    loss: torch.Tensor,
-    params: nn.Module | Iterable[Any],
-    scale: float,
-) -> UnderflowReading:
-    """Measure how much of ``loss``'s gradient FP16 flushes to zero at ``scale``.
+@dataclass
+class _Tally:
+    """One rank's counts behind an :class:`UnderflowReading`, in the form ranks can reduce:
+    sums (the counts and the magnitude histogram), extremes (headrooms, flags)."""
 
-    ``loss`` is the step's loss *before* its backward (its graph is kept; call this, then run
-    the backward as usual); ``params`` a model or its parameters (``(name, parameter)`` pairs
-    name them). Two backward passes, no forward; no ``.grad``, RNG or buffer is touched. See the
-    module docstring for what is compared.
-    """
-    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
-        raise ValueError(
-            "measure_underflow needs the step's loss with its autograd graph (before backward); "
-            f"got {type(loss).__name__}"
-            + (" without a grad_fn" if isinstance(loss, torch.Tensor) else "")
-        )
-    named = _named(params)
-    if not named:
-        raise ValueError("measure_underflow: no parameter requires grad")
+    scale: float
+    finite: bool  # the step's own gradient is finite at ``scale``
+    fp16_at_scale: bool  # FP16 evidence in the gradient at ``scale``
+    scale_headroom: float  # log2(65504 / max|S*g|) over FP16-valued gradients; inf: none
+    cap: float = math.inf  # a reference trial overflowed: the headroom is at most this
+    has_reference: bool = False
+    reference_scale: float = math.inf
+    fp16_seen: bool = False  # FP16 evidence at ``scale`` or at ``reference_scale``
+    reference_headroom: float = math.inf  # the same headroom read at the reference; inf: none
+    flushed: list[int] = field(default_factory=list)  # per parameter (``None`` gradients: 0)
+    nonzero: list[int] = field(default_factory=list)
+    exponents: torch.Tensor = field(default_factory=lambda: torch.zeros(400, dtype=torch.float64))
+
+
+def _local_tally(
+    loss: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]], scale: float
+) -> _Tally:
+    """This rank's measurement (the module docstring says what is compared)."""
     tensors = [p for _, p in named]
     at_scale = _grads(loss, tensors, scale)
     with torch.no_grad():
@@ -163,9 +166,18 @@ def measure_underflow(
             zero_at_scale.append(grad == 0)
         finite = _finite(at_scale)
     del at_scale
+    tally = _Tally(
+        scale=scale,
+        finite=finite,
+        fp16_at_scale=fp16_seen,
+        scale_headroom=math.log2(FP16_MAX / largest) if fp16_seen and largest > 0 else math.inf,
+        fp16_seen=fp16_seen,
+        flushed=[0] * len(named),
+        nonzero=[0] * len(named),
+    )
     if not finite:  # the step overflows at this scale: no doubling is left, nothing to compare
-        return UnderflowReading(scale, None, 0.0, fp16_gradients=fp16_seen)
-    headroom = math.log2(FP16_MAX / largest) if fp16_seen and largest > 0 else None
+        return tally
+    headroom = tally.scale_headroom if tally.scale_headroom < math.inf else None
 
     # The reference scale: as high as the gradients allow, found by bisection on the number of
     # doublings (each try is one backward). lo is known finite (the step's own scale), hi not.
@@ -187,18 +199,16 @@ def measure_underflow(
             # gradient is larger, and the true headroom is below this.
             hi = trial
             headroom = trial - 1 if headroom is None else min(headroom, trial - 1)
+            tally.cap = min(tally.cap, trial - 1)
         del candidate
     if reference is None:
-        return UnderflowReading(scale, None, headroom, fp16_gradients=fp16_seen)
+        return tally
 
-    reference_scale = scale * 2.0**doublings
-    flushed_total = nonzero_total = 0
+    tally.has_reference = True
+    tally.reference_scale = reference_scale = scale * 2.0**doublings
     largest_ref = 0.0
-    by_param: dict[str, float] = {}
-    # log2 magnitudes of the nonzero reference elements (unscaled), for the fixing scale.
-    exponents = torch.zeros(400, dtype=torch.float64)
     with torch.no_grad():
-        for (name, _), ref, zero in zip(named, reference, zero_at_scale):
+        for index, (ref, zero) in enumerate(zip(reference, zero_at_scale)):
             if ref is None:
                 continue
             nonzero = ref != 0
@@ -209,30 +219,138 @@ def measure_underflow(
             if values > 0:
                 # At S most of it may be flushed, too little to show FP16; at S_ref it shows.
                 largest_ref = max(largest_ref, float(ref.abs().max()))
-                fp16_seen = fp16_seen or values >= _FP16_EVIDENCE
-            flushed = int((nonzero & zero).sum()) if zero is not None else count
-            flushed_total += flushed
-            nonzero_total += count
-            by_param[name] = flushed / count
+                tally.fp16_seen = tally.fp16_seen or values >= _FP16_EVIDENCE
+            tally.flushed[index] = int((nonzero & zero).sum()) if zero is not None else count
+            tally.nonzero[index] = count
+            # log2 magnitudes of the nonzero reference elements (unscaled), for the fixing scale.
             true = ref[nonzero].double().abs() / reference_scale
             _, exp = torch.frexp(true)
-            exponents += torch.bincount((exp.flatten() + 200).clamp(0, 399).cpu(), minlength=400)
+            tally.exponents += torch.bincount(
+                (exp.flatten() + 200).clamp(0, 399).cpu(), minlength=400
+            )
+    if largest_ref > 0:
+        tally.reference_headroom = math.log2(FP16_MAX * 2.0**doublings / largest_ref)
+    return tally
+
+
+def _reduce_tally(tally: _Tally, process_group: Any, device: torch.device) -> _Tally:
+    """Every rank's tally combined, identically on each: counts and histograms summed, flags
+    OR-ed, headrooms and the reference scale the lowest of any rank (the gradient nearest to
+    overflow decides for all), so every rank reads the same figures and the two-sided rule takes
+    the same decision on each (as the found-inf flag is reduced for the skip). Two all-reduces
+    of ``2 * parameters + 400`` and 8 numbers, on the checked steps only, on ``device`` (the
+    loss's; the CPU under gloo)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(process_group) == "gloo":
+        device = torch.device("cpu")
+    sums = torch.cat(
+        [
+            torch.tensor(tally.flushed + tally.nonzero, dtype=torch.float64),
+            tally.exponents.double().cpu(),
+        ]
+    ).to(device)
+    # MAX of each; the minima go in negated.
+    extremes = torch.tensor(
+        [
+            float(not tally.finite),
+            float(tally.fp16_at_scale),
+            float(tally.fp16_seen),
+            float(not tally.has_reference),
+            -tally.scale_headroom,
+            -tally.cap,
+            -tally.reference_scale,
+            -tally.reference_headroom,
+        ],
+        dtype=torch.float64,
+    ).to(device)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=process_group)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=process_group)
+    sums, extremes = sums.cpu(), extremes.cpu().tolist()
+    count = len(tally.flushed)
+    return _Tally(
+        scale=tally.scale,
+        finite=not extremes[0],
+        fp16_at_scale=bool(extremes[1]),
+        scale_headroom=-extremes[4],
+        cap=-extremes[5],
+        has_reference=not extremes[3],
+        reference_scale=-extremes[6],
+        fp16_seen=bool(extremes[2]),
+        reference_headroom=-extremes[7],
+        flushed=[int(v) for v in sums[:count].tolist()],
+        nonzero=[int(v) for v in sums[count : 2 * count].tolist()],
+        exponents=sums[2 * count :].clone(),
+    )
+
+
+def _reading(tally: _Tally, names: Sequence[str]) -> UnderflowReading:
+    """The figures of a (reduced or local) tally."""
+    scale = tally.scale
+    if not tally.finite:
+        return UnderflowReading(scale, None, 0.0, fp16_gradients=tally.fp16_at_scale)
+    headroom = tally.scale_headroom if tally.scale_headroom < math.inf else None
+    if tally.cap < math.inf:
+        headroom = tally.cap if headroom is None else min(headroom, tally.cap)
+    if not tally.has_reference:
+        return UnderflowReading(scale, None, headroom, fp16_gradients=tally.fp16_at_scale)
+    flushed_total, nonzero_total = sum(tally.flushed), sum(tally.nonzero)
+    by_param = {
+        name: flushed / count
+        for name, flushed, count in zip(names, tally.flushed, tally.nonzero)
+        if count
+    }
     underflow = flushed_total / nonzero_total if nonzero_total else 0.0
-    if headroom is None and fp16_seen and largest_ref > 0:
-        headroom = math.log2(FP16_MAX * 2.0**doublings / largest_ref)
-    fixing, fixable = _fixing_scale(exponents, scale, headroom)
+    if headroom is None and tally.fp16_seen and tally.reference_headroom < math.inf:
+        headroom = tally.reference_headroom
+    fixing, fixable = _fixing_scale(tally.exponents, scale, headroom)
     return UnderflowReading(
         scale=scale,
         underflow=underflow,
         headroom=headroom,
-        reference_scale=reference_scale,
+        reference_scale=tally.reference_scale,
         flushed=flushed_total,
         nonzero=nonzero_total,
         fixing_scale=fixing,
         fixable=fixable,
-        fp16_gradients=fp16_seen,
+        fp16_gradients=tally.fp16_seen,
         by_param=by_param,
     )
+
+
+def measure_underflow(
+    loss: torch.Tensor,
+    params: nn.Module | Iterable[Any],
+    scale: float,
+    *,
+    across_ranks: bool = False,
+    process_group: Any = None,
+) -> UnderflowReading:
+    """Measure how much of ``loss``'s gradient FP16 flushes to zero at ``scale``.
+
+    ``loss`` is the step's loss *before* its backward (its graph is kept; call this, then run
+    the backward as usual); ``params`` a model or its parameters (``(name, parameter)`` pairs
+    name them). Two backward passes, no forward; no ``.grad``, RNG or buffer is touched. See the
+    module docstring for what is compared.
+
+    ``across_ranks=True`` (what the scaler passes) combines the readings of every rank of
+    ``process_group`` (default: the world) when ``torch.distributed`` runs with more than one:
+    the figures are then the whole step's, the same on every rank. It is a collective: every
+    rank must call it on the same step, with the same parameters (DDP replicas).
+    """
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        raise ValueError(
+            "measure_underflow needs the step's loss with its autograd graph (before backward); "
+            f"got {type(loss).__name__}"
+            + (" without a grad_fn" if isinstance(loss, torch.Tensor) else "")
+        )
+    named = _named(params)
+    if not named:
+        raise ValueError("measure_underflow: no parameter requires grad")
+    tally = _local_tally(loss, named, scale)
+    if across_ranks and distributed(process_group):
+        tally = _reduce_tally(tally, process_group, loss.device)
+    return _reading(tally, [name for name, _ in named])
 
 
 def _fixing_scale(
@@ -301,11 +419,19 @@ class UnderflowChecks:
         return requested
 
     def measure(
-        self, loss: torch.Tensor, params: nn.Module | Iterable[Any], scale: float, scaling: bool
+        self,
+        loss: torch.Tensor,
+        params: nn.Module | Iterable[Any],
+        scale: float,
+        scaling: bool,
+        process_group: Any = None,
     ) -> UnderflowReading:
-        """:func:`measure_underflow` at ``scale``, kept as :attr:`last`; a setup pitfall it shows
-        (:func:`setup_pitfall`; ``scaling``: whether loss scaling is on) is warned about once."""
-        reading = measure_underflow(loss, params, scale)
+        """:func:`measure_underflow` at ``scale`` across the ranks of ``process_group``, kept as
+        :attr:`last`; a setup pitfall it shows (:func:`setup_pitfall`; ``scaling``: whether loss
+        scaling is on) is warned about once."""
+        reading = measure_underflow(
+            loss, params, scale, across_ranks=True, process_group=process_group
+        )
         self.last = reading
         found = setup_pitfall(reading, scaling)
         if found is not None and found[0] not in self._pitfalls_said:

@@ -72,3 +72,23 @@ def test_amp_trainer_fsdp2_resume_keeps_the_scale_history_and_the_scaler_state(r
 def test_amp_trainer_fsdp2_resume_ends_where_the_uninterrupted_run_ends(ranks):
     for _, params in ranks:
         assert torch.equal(params["resumed"], params["full"])
+
+
+def test_amp_trainer_fsdp2_says_once_that_the_underflow_meter_and_the_two_sided_rule_do_not_run(
+    ranks,
+):
+    for info, _ in ranks:
+        meter_off = [m for _, m in info["said_full"] if "underflow meter" in m]
+        assert meter_off == [
+            "The underflow meter (loss_scale_underflow_check_interval=500) does not run under "
+            "FSDP: no grad_underflow / grad_headroom in the logs."
+        ]
+        assert [lvl for lvl, m in info["said_full"] if "underflow meter" in m] == ["INFO"]
+        rule_off = [(lvl, m) for lvl, m in info["said_rule"] if "underflow" in m]
+        assert len(rule_off) == 1 and rule_off[0][0] == "WARNING"
+        assert rule_off[0][1].startswith(
+            "loss_scale_grow_on_underflow=True does nothing under FSDP: the underflow meter"
+        )
+        # and nothing was measured: no reading reached the logs
+        for entry in info["full"]["history"]:
+            assert "underflow" not in entry

@@ -7,14 +7,16 @@ policy) right after Accelerate builds it. Everything else is stock Trainer + Acc
 ``fsdp="full_shard"`` with ``fsdp_config={"version": 2}``, ``prepare`` shards, checkpoints go
 through ``torch.distributed.checkpoint``.
 
-Runs: ``full`` (6 steps, checkpoint at step 3, an inf in rank 1's gradient shard at step 2) and
-``resumed`` (a fresh trainer from that checkpoint). Each rank writes ``rank<N>.json`` and its full
-parameters ``rank<N>_<run>.pt``.
+Runs: ``full`` (6 steps, checkpoint at step 3, an inf in rank 1's gradient shard at step 2),
+``resumed`` (a fresh trainer from that checkpoint) and ``rule`` (1 step with
+``loss_scale_grow_on_underflow=True``); the library's log lines of ``full`` and ``rule`` are
+kept. Each rank writes ``rank<N>.json`` and its full parameters ``rank<N>_<run>.pt``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,8 +96,8 @@ def fsdp2_args(out_dir: Path, **overrides: Any) -> AmpTrainingArguments:
     return AmpTrainingArguments(**{**settings, **overrides})
 
 
-def trainer(out_dir: Path, inject: bool = False) -> ForcedFSDP2Trainer:
-    args = fsdp2_args(out_dir)
+def trainer(out_dir: Path, inject: bool = False, **overrides: Any) -> ForcedFSDP2Trainer:
+    args = fsdp2_args(out_dir, **overrides)
     run = ForcedFSDP2Trainer(
         model=make_tiny_bert(seed=0), args=args, train_dataset=ToyClassification(64, seed=1)
     )
@@ -119,8 +121,23 @@ def record(run: ForcedFSDP2Trainer) -> dict:
     }
 
 
+class Said(logging.Handler):
+    """The library's log lines (``amp_trainer.trainer``) of one run, as ``(level, message)``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelname, record.getMessage()))
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
+    said = Said()
+    library = logging.getLogger("amp_trainer.trainer")
+    library.addHandler(said)
+    library.setLevel(logging.INFO)
     rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
     full = trainer(out_dir / "full", inject=True)
     seen: set[str] = set()
@@ -135,13 +152,24 @@ def main() -> None:
         full.train()
     finally:
         torch.nn.functional.layer_norm = original
-    result = {"full": record(full), "layer_norm_dtypes": sorted(seen)}
+    result = {
+        "full": record(full),
+        "layer_norm_dtypes": sorted(seen),
+        "said_full": list(said.lines),
+    }
     torch.save(full_params(full.model), out_dir / f"rank{rank}_full.pt")
 
+    said.lines.clear()
     resumed = trainer(out_dir / "resumed")
     resumed.train(resume_from_checkpoint=str(out_dir / "full" / "checkpoint-3"))
     result["resumed"] = record(resumed)
     torch.save(full_params(resumed.model), out_dir / f"rank{rank}_resumed.pt")
+    # The two-sided rule asked for under FSDP (where the meter does not run): one short run.
+    said.lines.clear()
+    trainer(
+        out_dir / "rule", loss_scale_grow_on_underflow=True, max_steps=1, save_strategy="no"
+    ).train()
+    result["said_rule"] = list(said.lines)
     result["world_size"] = dist.get_world_size()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     leave_without_teardown()
