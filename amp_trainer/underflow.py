@@ -166,11 +166,12 @@ def _local_tally(
             zero_at_scale.append(grad == 0)
         finite = _finite(at_scale)
     del at_scale
+    measurable = finite and fp16_seen and largest > 0  # an inf gradient leaves no headroom
     tally = _Tally(
         scale=scale,
         finite=finite,
         fp16_at_scale=fp16_seen,
-        scale_headroom=math.log2(FP16_MAX / largest) if fp16_seen and largest > 0 else math.inf,
+        scale_headroom=math.log2(FP16_MAX / largest) if measurable else math.inf,
         fp16_seen=fp16_seen,
         flushed=[0] * len(named),
         nonzero=[0] * len(named),

@@ -289,3 +289,13 @@ def test_a_gradient_flushed_whole_at_the_scale_still_reads_as_fp16_not_as_no_fp1
     assert reading.fp16_gradients and reading.headroom is not None
     assert reading.underflow > 0.5 and reading.reference_scale >= 2.0**16
     assert not [r for r in caplog.records if "no gradient went through FP16" in r.getMessage()]
+
+
+def test_a_step_whose_gradient_overflows_at_the_scale_reads_no_underflow_and_no_headroom():
+    # An FP16 gradient of +inf (no NaN): its largest magnitude is inf, nothing a higher scale
+    # could save and no doubling left; the reading says so instead of failing on log2(0).
+    weight = torch.nn.Parameter(torch.ones(16))
+    loss = (weight.half() * 60000.0).float().sum()  # d/dw in FP16: 60000 * S, inf at S = 2
+    reading = measure_underflow(loss, [("weight", weight)], 2.0)
+    assert reading.underflow is None and reading.headroom == 0.0
+    assert reading.fp16_gradients  # +inf is an FP16 value: the gradient went through FP16
