@@ -85,6 +85,7 @@ from amp_trainer.checkpointing import CheckpointKeeper
 from amp_trainer.checkpointing.file_checks import check_best_model_checkpoint
 from amp_trainer.forward_overflow import ForwardOverflowGuard
 from amp_trainer.islands import apply_fp32_policy, recorded_fp32_islands, restore_fp32_islands
+from amp_trainer.length_grouped_sampling import epoch_seeded
 from amp_trainer.loss_scale_monitor import LossScaleMonitor
 from amp_trainer.mismatch import PrecisionMismatchCallback
 from amp_trainer.overflow_step_loss import OverflowStepLoss
@@ -429,6 +430,12 @@ class AmpTrainerMixin(Trainer):
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     # -- what a step is: amp_trainer.step_accounting (skipped updates are not steps) ---------
+    def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+        """Stock's sampler, except that a length-grouped one draws each epoch's order from
+        ``seed + epoch`` instead of the global RNG, so that a resumed run reads the interrupted
+        epoch's batches again (:mod:`amp_trainer.length_grouped_sampling`)."""
+        return epoch_seeded(super()._get_train_sampler(*args, **kwargs), self)
+
     def set_initial_training_values(self, args: TrainingArguments, dataloader: Any, *rest: Any):
         """Stock's plan, with the epochs a run with skipped updates needs (see StepAccounting)."""
         values = super().set_initial_training_values(args, dataloader, *rest)
