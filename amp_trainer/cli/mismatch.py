@@ -76,6 +76,17 @@ def add_parser(commands: Any) -> None:
     mismatch.set_defaults(handler=run)
 
 
+def model_positions(config: Any) -> int | None:
+    """How many positions the model embeds (GPT-2's ``n_positions``, most others'
+    ``max_position_embeddings``); ``None`` for one without a fixed limit (rotary models
+    usually state one anyway)."""
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure ``args.model``'s precision mismatch (``amp-trainer mismatch``); the exit code: 0,
     or 1 when a precision's logits are inf/NaN."""
@@ -86,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
     path = check_model_arg(args.model)
     texts = args.texts[: args.max_texts] if args.texts else load_texts(args.data, args.max_texts)[0]
+    empty = [number for number, text in enumerate(texts, 1) if not text.strip()]
+    if empty:  # its figures would come from padding and special tokens alone
+        which = f"text {empty[0]}" if len(empty) == 1 else f"texts {', '.join(map(str, empty))}"
+        raise UsageError(f"--texts: {which} of {len(texts)} is empty; there is nothing to score")
     if args.json and not Path(args.json).parent.is_dir():  # before the model loads
         raise UsageError(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA device is available here; use cpu")
     tokenizer = load_tokenizer(path)
+    if tokenizer is None and not Path(path).expanduser().exists():
+        raise UsageError(
+            f"--model {args.model}: no such folder, and no hub model of that id could be loaded "
+            "(offline, or no such id)"
+        )
     if tokenizer is None:
         raise UsageError(f"--model {args.model}: no tokenizer saved there to encode the texts")
     if tokenizer.pad_token is None:  # a causal LM's tokenizer often has none; padding is masked
@@ -106,14 +126,15 @@ def run(args: argparse.Namespace) -> int:
                 "texts with; score one text at a time"
             )
     tokenizer.padding_side = "right"
-    batch = tokenizer(
-        list(texts),
-        padding=True,
-        truncation=True,
-        max_length=args.max_length,
-        return_tensors="pt",
-    )
     model = load_model(path).to(device)
+    # Longer than the model's positions, a forward fails with a bare IndexError: cut there.
+    positions = model_positions(model.config)
+    max_length = min(args.max_length, positions) if positions else args.max_length
+    batch = tokenizer(
+        list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+    )
+    full = [len(ids) for ids in tokenizer(list(texts), verbose=False)["input_ids"]]
+    cut = sum(length > max_length for length in full)
     results = measure_precision_mismatch(
         model,
         batch["input_ids"],
@@ -128,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         f"{type(model).__name__} from {args.model}: {len(texts)} text(s), {tokens} token(s) "
         f"scored, on {device}, against FP32"
     )
+    if cut:
+        limit = "--max-length" if max_length == args.max_length else "the model's positions"
+        print(f"note: {cut} text(s) cut at {max_length} tokens ({limit}); the rest is not scored")
     print(results)
     if args.json:
         write_json_output(

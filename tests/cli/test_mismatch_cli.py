@@ -119,3 +119,40 @@ def test_a_model_that_is_not_a_causal_lm_is_a_one_line_error(tmp_path, capsys):
     make_tiny_bert().save_pretrained(tmp_path)
     assert main(["mismatch", "--model", str(tmp_path), "--texts", "a a a"]) == 2
     assert "BertForSequenceClassification is not a causal language model" in one_line_error(capsys)
+
+
+def test_a_text_longer_than_the_models_positions_is_cut_there_with_a_note(gpt2_dir, capsys):
+    # The tiny GPT-2 embeds 64 positions; --max-length defaults to 256. Uncut, the forward
+    # failed with a bare IndexError from the position embedding.
+    long_text = " ".join(TEXTS * 12)
+    assert main(["mismatch", "--model", str(gpt2_dir), "--texts", long_text, TEXTS[1]]) == 0
+    out = capsys.readouterr().out
+    assert "note: 1 text(s) cut at 64 tokens (the model's positions); the rest is not scored" in out
+    assert "| fp16 " in out
+
+
+def test_a_text_cut_at_max_length_names_the_flag(gpt2_dir, capsys):
+    argv = ["mismatch", "--model", str(gpt2_dir), "--texts", TEXTS[0], "--max-length", "4"]
+    assert main(argv) == 0
+    assert "note: 1 text(s) cut at 4 tokens (--max-length)" in capsys.readouterr().out
+
+
+def test_a_model_folder_that_does_not_exist_is_not_called_tokenizer_less(tmp_path, capsys):
+    missing = "runs/no-such-run"  # shaped like a hub id, so it is tried as one (offline here)
+    assert main(["mismatch", "--model", missing, "--texts", "x"]) == 2
+    assert one_line_error(capsys) == (
+        "amp-trainer mismatch: error: --model runs/no-such-run: no such folder, and no hub model "
+        "of that id could be loaded (offline, or no such id)"
+    )
+
+
+@pytest.mark.parametrize(
+    "texts, expected",
+    [(["", "Which bird is it?"], "text 1 of 2"), (["The cat.", " ", "\t"], "texts 2, 3 of 3")],
+    ids=["one", "two-blank"],
+)
+def test_an_empty_text_is_one_line_not_a_table_of_special_tokens(gpt2_dir, texts, expected, capsys):
+    assert main(["mismatch", "--model", str(gpt2_dir), "--texts", *texts]) == 2
+    assert one_line_error(capsys).endswith(
+        f"--texts: {expected} is empty; there is nothing to score"
+    )
