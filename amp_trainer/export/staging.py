@@ -280,19 +280,37 @@ def digests(folder: Path, skip: Collection[str] = ()) -> dict[str, str]:
     }
 
 
+def _read_by_load(name: str) -> bool:
+    """Whether ``load_fp16_export`` reads a file of this name (weights, their index, configs)."""
+    return name.endswith((".safetensors", ".safetensors.index.json")) or name in (
+        "config.json",
+        "generation_config.json",
+    )
+
+
 def check_digests(folder: Path, skip: Collection[str] = ()) -> int:
     """Check every file ``folder/report.json`` records a SHA-256 for (but ``skip``) against it.
 
-    Returns the number of files checked; 0 when there is no ``report.json`` or it records no
-    digests (nothing to check against: that is logged).
+    What this guards: accidental damage since the export (a flipped bit, a half-finished copy, a
+    file lost). Not a deliberate change: whoever rewrites a weights file can rewrite its digest in
+    ``report.json`` too. A file the load reads that has nothing to be checked against (no
+    ``report.json``, no ``sha256`` block, no entry for it) is one warning naming it.
+
+    Returns the number of files checked.
 
     Raises:
         ValueError: one line naming the first file that is missing or whose bytes changed since
             the export wrote it, or a ``report.json`` that does not read.
     """
     report_file = folder / "report.json"
+    read = sorted(p.name for p in folder.iterdir() if p.is_file() and _read_by_load(p.name))
     if not report_file.is_file():
-        logger.info("%s has no report.json: its files' integrity is not checked", folder)
+        logger.warning(
+            "%s is missing: %s not checked against the digests the export recorded (restore "
+            "report.json from the export, or pass verify=False to say you load it as it is)",
+            report_file,
+            ", ".join(read) or "the folder's files are",
+        )
         return 0
     try:
         report = json.loads(report_file.read_text(encoding="utf-8"))
@@ -300,8 +318,22 @@ def check_digests(folder: Path, skip: Collection[str] = ()) -> int:
         raise ValueError(f"{report_file} is unreadable ({err}): truncated or not JSON") from None
     recorded = report.get("sha256") if isinstance(report, dict) else None
     if not isinstance(recorded, dict):
-        logger.info("%s records no sha256 digests: its files are not checked", report_file)
+        logger.warning(
+            "%s records no sha256 digests: %s not checked (an export writes them; restore its "
+            "report.json)",
+            report_file,
+            ", ".join(read) or "the folder's files are",
+        )
         return 0
+    unrecorded = [name for name in read if name not in recorded and name not in skip]
+    if unrecorded:
+        logger.warning(
+            "%s records no sha256 for %s: %s not checked (the export recorded every file it "
+            "wrote; this one was added or its entry removed since)",
+            report_file,
+            ", ".join(unrecorded),
+            "it is" if len(unrecorded) == 1 else "they are",
+        )
     checked = 0
     for name, expected in sorted(recorded.items()):
         if name in skip:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import stat
@@ -349,6 +350,81 @@ def test_load_fp16_export_of_an_untouched_export_checks_and_loads(tmp_path, capl
     (out / "model.torchscript.pt").write_bytes(b"not read by load_fp16_export")
     model = load_fp16_export(out)
     assert next(model.parameters()).dtype == torch.float16
+
+
+def _changed_weights(out: Path) -> None:
+    """One bit of one weight flipped in ``out``'s model.safetensors: a valid, different model."""
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+
+
+def _drop_report(out: Path) -> None:
+    (out / "report.json").unlink()
+
+
+def _drop_sha256_block(out: Path) -> None:
+    report = json.loads((out / "report.json").read_text())
+    del report["sha256"]
+    (out / "report.json").write_text(json.dumps(report))
+
+
+def _drop_the_models_entry(out: Path) -> None:
+    report = json.loads((out / "report.json").read_text())
+    del report["sha256"]["model.safetensors"]
+    (out / "report.json").write_text(json.dumps(report))
+
+
+@pytest.mark.parametrize(
+    "unguard, expected",
+    [
+        (_drop_report, "report.json is missing: config.json, generation_config.json, "
+         "model.safetensors not checked against the digests the export recorded"),
+        (_drop_sha256_block, "report.json records no sha256 digests: config.json, "
+         "generation_config.json, model.safetensors not checked"),
+        (_drop_the_models_entry, "report.json records no sha256 for model.safetensors: it is "
+         "not checked"),
+    ],
+    ids=["report-deleted", "sha256-block-removed", "entry-removed"],
+)  # fmt: skip
+def test_a_changed_weights_file_with_nothing_to_check_it_against_is_one_warning_naming_it(
+    tmp_path, caplog, unguard, expected
+):
+    from amp_trainer.export import load_fp16_export
+
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(), out)
+    _changed_weights(out)
+    unguard(out)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="amp_trainer.export"):
+        load_fp16_export(out)  # loads: there is nothing to refuse it with
+    said = [r for r in caplog.records if r.name.startswith("amp_trainer.export")]
+    warnings = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and expected in warnings[0]
+    assert warnings[0].startswith(str(out / "report.json"))
+
+
+def test_a_rewritten_digest_is_not_caught_and_a_kept_report_digest_pins_the_export(tmp_path):
+    # What the digests guard is accidental damage. Whoever changes the weights and rewrites their
+    # digest in report.json too is not caught by load_fp16_export; comparing report.json with the
+    # digest of it kept when the export was trusted is (docs/guides/export.md).
+    import hashlib
+
+    from amp_trainer.export import load_fp16_export
+
+    out = tmp_path / "fp16"
+    export_fp16(make_tiny_gpt2(), out)
+    trusted = hashlib.sha256((out / "report.json").read_bytes()).hexdigest()
+    _changed_weights(out)
+    report = json.loads((out / "report.json").read_text())
+    report["sha256"]["model.safetensors"] = hashlib.sha256(
+        (out / "model.safetensors").read_bytes()
+    ).hexdigest()
+    (out / "report.json").write_text(json.dumps(report))
+    load_fp16_export(out)  # the folder is consistent with itself: it loads
+    assert hashlib.sha256((out / "report.json").read_bytes()).hexdigest() != trusted
 
 
 # ---- --report PATH: the guards --output has ---------------------------------------------------
