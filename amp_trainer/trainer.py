@@ -159,6 +159,11 @@ def _forward_consumes_num_items(model: nn.Module) -> bool:
     return "loss_function" in source or "num_items_in_batch" in source
 
 
+# The min_scale a torch.amp.GradScaler swapped in gets (it has none): the smallest normal
+# float32, 2**-126, far below what 100 halvings (max_consecutive_skipped_steps) reach from 2**16.
+_NO_MINIMUM = 2.0**-126
+
+
 class AmpTrainerMixin(Trainer):
     """All of :class:`AmpTrainer`'s behaviour, for any :class:`transformers.Trainer` subclass.
 
@@ -505,6 +510,7 @@ class AmpTrainerMixin(Trainer):
         loaded and its final training metrics returned, with a warning naming the checkpoint.
         """
         self.jit_checkpoint = None
+        self._follow_a_swapped_scaler()
         checkpoint = self._checkpoints.start(resume_from_checkpoint)
         done = self._checkpoints.finished_run(checkpoint, load=self._load_from_checkpoint)
         if done is not None:
@@ -521,6 +527,54 @@ class AmpTrainerMixin(Trainer):
         if self._steps.active and "train_loss" in output.metrics:
             output = output._replace(training_loss=output.metrics["train_loss"])  # per attempt
         return output
+
+    def _follow_a_swapped_scaler(self) -> None:
+        """Run the scaler ``trainer.accelerator.scaler`` holds now, if code replaced ours there
+        after ``__init__`` (transformers' own tests do; so do scripts that wanted torch's knobs).
+
+        ``train()`` prepares the optimizer with whatever ``accelerator.scaler`` is, so that one
+        steps; ``loss_scaler`` and everything reading it (the logged ``loss_scale`` and
+        ``skipped_steps``, the consecutive-skip guard, the forward-overflow guard) must read it
+        too. A :class:`DynamicLossScaler` is taken as it is; a ``torch.amp.GradScaler`` becomes
+        one with its settings and state and no minimum scale (torch's rule, step for step), so
+        that a skip is still a skip for every optimizer. ``None`` or another object: one error.
+        """
+        ours, now = self.loss_scaler, self.accelerator.scaler
+        if ours is None or now is ours:
+            return
+        if isinstance(now, torch.amp.GradScaler):
+            adopted = DynamicLossScaler(
+                self.args.device.type,
+                init_scale=now.get_scale() if now.is_enabled() else 2.0**16,
+                growth_factor=now.get_growth_factor(),
+                backoff_factor=now.get_backoff_factor(),
+                growth_interval=now.get_growth_interval(),
+                # torch's has no minimum: none a run reaches before the skip guard stops it
+                min_scale=_NO_MINIMUM,
+                on_min_scale="clamp",
+                enabled=now.is_enabled(),
+            )
+            adopted.load_state_dict(now.state_dict())
+            what = (
+                "a torch.amp.GradScaler (run as a DynamicLossScaler with its settings, scale "
+                f"{adopted.get_scale():g})"
+            )
+        elif isinstance(now, DynamicLossScaler):
+            adopted, what = now, f"a DynamicLossScaler (scale {now.get_scale():g})"
+        else:
+            raise ValueError(
+                f"trainer.accelerator.scaler was replaced by "
+                f"{type(now).__name__ if now is not None else None} after the trainer was "
+                "built; AmpTrainer needs a DynamicLossScaler or a "
+                "torch.amp.GradScaler there. Pass the scaler instead: AmpTrainer(..., "
+                "loss_scaler=DynamicLossScaler(init_scale=..., enabled=...))"
+            )
+        logger.info(
+            "trainer.accelerator.scaler was replaced after __init__: training with %s.", what
+        )
+        self.loss_scaler = install_scaler(self.accelerator, adopted)
+        self._forward_overflow = None  # made again on the scaler that steps
+        self._apply_precision_policy(self.model)
 
     def _forget_evaluation_prepare(self) -> None:
         """Let ``train()`` wrap a model that ``evaluate()`` prepared first (DDP, several ranks).
