@@ -59,6 +59,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# transformers' trainer logger (its own hierarchy, not propagated to the root logger by default).
+transformers_trainer_logger = logging.getLogger("transformers.trainer")
 
 #: The ``TrainerState`` fields transformers' main branch adds, saved in ``trainer_state.json``.
 STEP_FIELDS = ("optimizer_step_attempts", "train_dataloader_epoch", "train_dataloader_batches_seen")
@@ -122,6 +124,10 @@ class _Padding(dict):
 PADDING = _Padding()
 
 
+# The start of the ValueError accelerate's DataLoaderDispatcher raises for a pass with no batch.
+_DISPATCHER_FOUND_NO_DATA = "Batch does not contain any data"
+
+
 class _Pass:
     """One pass over an iterable dataset: its iterator, what was read, whether it ended.
 
@@ -150,6 +156,15 @@ class _Pass:
             except StopIteration:
                 self.ended = True
                 raise
+            except ValueError as err:
+                # Accelerate's batch dispatcher (dispatch_batches, its default for a stream)
+                # raises this, on every rank, when the stream is already exhausted as a pass
+                # starts: for a one-pass iterator that is the end of the data, as a sized pass's
+                # StopIteration is (stock, reading no batch more, never gets here).
+                if self.read or not str(err).startswith(_DISPATCHER_FOUND_NO_DATA):
+                    raise
+                self.ended = True
+                raise StopIteration from None
         self.read += 1
         return item
 
@@ -390,7 +405,8 @@ class StepAccounting:
         if not batches:
             control = self.trainer.control
             if self._pass.read == 0:
-                logger.warning(
+                # On transformers' own logger, where its loop says it (and users filter it).
+                transformers_trainer_logger.warning(
                     "Training data exhausted at global_step=%d before reaching max_steps=%d: the "
                     "dataset yielded no batch in this pass (a one-pass iterator?); training stops.",
                     state.global_step,
