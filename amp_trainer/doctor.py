@@ -1,4 +1,5 @@
-"""The NaN doctor: the seed's four-step inf/NaN triage, automated, with culprits named.
+"""The NaN doctor: mixed-precision training's standard four-step inf/NaN triage (FP32, FP16
+without the scaler, full AMP, a lower learning rate), automated, with culprits named.
 
 When FP16 training produces NaN, the practitioner's checklist is always the same, and each step
 rules out one cause:
@@ -75,7 +76,8 @@ logger = logging.getLogger(__name__)
 
 # More than this share of the gradient flushed at the run's scale is a verdict, not noise.
 _UNDERFLOW_VERDICT = 0.01
-# lr / 10, / 100, / 1000: the seed says "try lr/10 first"; an absurd lr needs more than one rung.
+# lr / 10, / 100, / 1000: the standard triage says "try lr/10 first"; an absurd lr needs more
+# than one rung.
 _LR_DIVISORS = (10.0, 100.0, 1000.0)
 # A loss that blows up in FP32 is the learning rate for sure: keep going down until it descends
 # (lr 100 on a tiny BERT: lr 10, 1 and 0.1 stay finite but climb; 0.01 descends).

@@ -1,9 +1,9 @@
 """Which parameters' gradients overflowed, by name: attribution on overflow steps only.
 
-A skipped step says *that* something overflowed; the names say *where* (the seed's triage step 3:
-"report which parameters have non-finite gradients, by name"). The check costs nothing on clean
-steps: :class:`~amp_trainer.scaler.DynamicLossScaler` calls :func:`non_finite_parameters` only
-after its fused check already found an inf/NaN.
+A skipped step says *that* something overflowed; the names say *where* (step 3 of the standard
+inf/NaN triage: "report which parameters have non-finite gradients, by name"). The check costs
+nothing on clean steps: :class:`~amp_trainer.scaler.DynamicLossScaler` calls
+:func:`non_finite_parameters` only after its fused check already found an inf/NaN.
 """
 
 from __future__ import annotations

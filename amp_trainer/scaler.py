@@ -226,7 +226,7 @@ class DynamicLossScaler:
         scale, group = self.get_scale(), self.process_group
         reading = self._underflow.measure(loss, params, scale, self._enabled, group)
         if self._enabled:
-            self.policy.on_underflow(reading.underflow, reading.fixing_scale, reading.headroom)
+            self._underflow.grow_if_flushed(reading, self.policy)
         return reading
 
     def request_underflow_check(self, params: nn.Module | Iterable[Any]) -> None:

@@ -474,6 +474,8 @@ class AmpTrainerMixin(Trainer):
             logs["loss_scale"] = self.loss_scaler.get_scale()
             logs["skipped_steps"] = self.loss_scaler.stats.skipped
             logs["step_skipped"] = self._steps.skipped_since_last_log(self.state)
+            if self.loss_scaler.policy.grow_on_underflow:
+                logs["underflow_growths"] = self.loss_scaler.stats.underflow_growths
             reading = self.loss_scaler.last_underflow
             if reading is not None and reading is not self._underflow_logged:
                 self._underflow_logged = reading  # each measurement logged once, when it is new

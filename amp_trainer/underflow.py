@@ -375,7 +375,8 @@ def _fixing_scale(
 
 
 def setup_pitfall(reading: UnderflowReading, scaling: bool) -> tuple[str, str] | None:
-    """The seed's two setup mistakes, as ``(key, message)``, when ``reading`` shows one.
+    """The two classic FP16 set-up mistakes, as ``(key, message)``, when ``reading`` shows one,
+    or ``"zero-gradient"`` when the gradient has no nonzero element to tell them by.
 
     ``"no-fp16"``: loss scaling on a computation with no FP16 in it (no autocast, FP32 weights):
     pure cost. ``"no-scaling"``: FP16 compute with no loss scaling (``scaling`` false) while part
@@ -384,6 +385,11 @@ def setup_pitfall(reading: UnderflowReading, scaling: bool) -> tuple[str, str] |
     """
     if reading.underflow is None:
         return None
+    if reading.nonzero == 0:  # no element to judge by: neither mistake can be told
+        return "zero-gradient", (
+            "This step's gradient is zero in every element, at the loss scale and far above it: "
+            "nothing to measure (in RL, every completion may have scored alike)."
+        )
     if scaling and not reading.fp16_gradients:
         return "no-fp16", (
             "Loss scaling is on but no gradient went through FP16 (no autocast?): with FP32 "
@@ -414,6 +420,27 @@ class UnderflowChecks:
         self._logger = logger
         self._pitfalls_said: set[str] = set()
 
+    def grow_if_flushed(self, reading: UnderflowReading, policy: Any) -> bool:
+        """Apply the two-sided rule (``policy.on_underflow``) to ``reading``; a growth is one INFO
+        line with the reading behind it, as an overflow's skip is (a scale that jumps by 2**20
+        in silence reads as a bug). Returns whether the scale grew."""
+        before = policy.scale
+        if not policy.on_underflow(reading.underflow, reading.fixing_scale, reading.headroom):
+            return False
+        headroom = "unknown" if reading.headroom is None else f"{reading.headroom:.1f}"
+        self._logger.info(
+            "Loss scale %g -> %g (grow_on_underflow): %.2f%% of the gradient was flushed to zero "
+            "at %g (%d of %d elements; headroom %s doublings); checking again next step.",
+            before,
+            policy.scale,
+            100 * (reading.underflow or 0.0),
+            before,
+            reading.flushed,
+            reading.nonzero,
+            headroom,
+        )
+        return True
+
     def take_request(self) -> Any:
         """The parameters a check was requested for (``None`` if none), clearing the request."""
         requested, self.requested = self.requested, None
@@ -437,5 +464,7 @@ class UnderflowChecks:
         found = setup_pitfall(reading, scaling)
         if found is not None and found[0] not in self._pitfalls_said:
             self._pitfalls_said.add(found[0])
-            self._logger.warning("%s", found[1])
+            # A zero gradient is no mistake of the set-up; the two others are.
+            level = logging.INFO if found[0] == "zero-gradient" else logging.WARNING
+            self._logger.log(level, "%s", found[1])
         return reading

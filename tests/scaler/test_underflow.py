@@ -299,3 +299,67 @@ def test_a_step_whose_gradient_overflows_at_the_scale_reads_no_underflow_and_no_
     reading = measure_underflow(loss, [("weight", weight)], 2.0)
     assert reading.underflow is None and reading.headroom == 0.0
     assert reading.fp16_gradients  # +inf is an FP16 value: the gradient went through FP16
+
+
+def test_a_growth_of_the_two_sided_rule_is_one_info_line_with_its_reading(caplog):
+    # Overflow skips get a line; a jump of the scale by 2**20 in one step did not.
+    scaler = DynamicLossScaler("cpu", init_scale=1.0, grow_on_underflow=True)
+    model = _ScaledLossBert(seed=0)
+    loss = _fp16_loss(model, _batch())
+    with caplog.at_level("INFO", logger="amp_trainer"):
+        reading = scaler.check_underflow(loss, model)
+    grown = [r for r in caplog.records if "grow_on_underflow" in r.getMessage()]
+    assert len(grown) == 1 and grown[0].levelname == "INFO"
+    message = grown[0].getMessage()
+    assert message.startswith(f"Loss scale 1 -> {scaler.get_scale():g} (grow_on_underflow): ")
+    assert f"{100 * reading.underflow:.2f}% of the gradient was flushed to zero at 1" in message
+    assert f"({reading.flushed} of {reading.nonzero} elements;" in message
+    caplog.clear()
+    with caplog.at_level("INFO", logger="amp_trainer"):
+        scaler.check_underflow(_fp16_loss(model, _batch()), model)  # nothing left to fix
+    assert not [r for r in caplog.records if "grow_on_underflow" in r.getMessage()]
+
+
+def test_the_trainer_logs_underflow_growths_where_the_rule_is_on(tmp_path):
+    two_sided = _train(
+        tmp_path,
+        "rule",
+        loss_scale_init=1.0,
+        loss_scale_grow_on_underflow=True,
+        loss_scale_underflow_check_interval=4,
+    )
+    logged = [h for h in two_sided.state.log_history if "loss" in h]
+    assert [h["underflow_growths"] for h in logged][
+        -1
+    ] == two_sided.loss_scaler.stats.underflow_growths
+    assert two_sided.loss_scaler.stats.underflow_growths >= 1
+    default = _train(tmp_path, "default", loss_scale_underflow_check_interval=4)
+    assert not any("underflow_growths" in h for h in default.state.log_history)
+
+
+def test_an_all_zero_gradient_is_said_to_be_zero_not_a_run_without_fp16(caplog):
+    # A GRPO step whose completions all scored alike has advantages 0: its loss's gradient is
+    # exactly zero, though every forward ran in FP16. That is no set-up mistake.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.randn(8, 16))
+    advantages = torch.zeros(8, 1)
+    loss = (out.float() * advantages).mean()
+    scaler = DynamicLossScaler("cpu")
+    with caplog.at_level("INFO", logger="amp_trainer"):
+        reading = scaler.check_underflow(loss, model)
+    assert reading.nonzero == 0 and reading.underflow == 0.0
+    assert not [r for r in caplog.records if "no gradient went through FP16" in r.getMessage()]
+    zero = [r for r in caplog.records if "gradient is zero in every element" in r.getMessage()]
+    assert len(zero) == 1 and zero[0].levelname == "INFO"
+
+
+def test_fp32_compute_with_nonzero_gradients_is_still_said_to_run_without_fp16(caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    loss = model(torch.randn(8, 16)).pow(2).mean()  # no autocast
+    with caplog.at_level("INFO", logger="amp_trainer"):
+        DynamicLossScaler("cpu").check_underflow(loss, model)
+    said = [r for r in caplog.records if "no gradient went through FP16" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
