@@ -12,6 +12,7 @@ ends: every exception becomes ONE line on stderr and an exit code.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -153,8 +154,9 @@ def parse_args_with_config(
         unknown = sorted(set(values) - dests)
         if unknown:
             raise UsageError(
-                f"unknown key(s) {unknown} in config file {str(config_path)!r}; valid keys are "
-                "the recipe's flags without the leading '--' (see --help)"
+                f"unknown key(s) {unknown} in config file {str(config_path)!r}"
+                f"{_suggestions(unknown, dests)}; valid keys are the recipe's flags without the "
+                "leading '--' (see --help)"
             )
         typed = _typed_values(parser, values, config_path)
         # A YAML value satisfies a required flag (argparse would still demand it on the CLI).
@@ -183,7 +185,52 @@ def parse_args_with_config(
             )
         )
         raise SystemExit(EXIT_OK)
+    _refuse_unknown_flags(parser, rest)
     return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
+
+
+def check_report_to(report_to: Any) -> None:
+    """Refuse a ``--report_to`` name transformers has no integration for, before data and model
+    load (transformers itself refuses it only when the Trainer is built)."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    known = {*INTEGRATION_TO_CALLBACK, "all", "none"}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise UsageError(
+            f"--report_to {' '.join(unknown)}: no such integration"
+            f"{_suggestions(unknown, known)}; transformers knows "
+            f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, or all / none"
+        )
+
+
+def _refuse_unknown_flags(parser: Any, argv: Sequence[str]) -> None:
+    """One line for flags the recipe does not have, with the flag meant where one is close
+    (transformers' own message, "Some specified arguments are not used by the
+    HfArgumentParser", names the typo but not the fix)."""
+    _, extra = parser.parse_known_args(list(argv))
+    flags = [arg.split("=", 1)[0] for arg in extra if arg.startswith("--")]
+    if not flags and not extra:
+        return
+    if not flags:
+        raise UsageError(f"unexpected argument(s) {extra}: every value follows its --flag")
+    names = {o.lstrip("-") for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    unknown = [flag.lstrip("-") for flag in flags]
+    raise UsageError(
+        f"unknown flag(s) {flags}{_suggestions(unknown, names, prefix='--')} (see --help)"
+    )
+
+
+def _suggestions(unknown: Sequence[str], known: Iterable[str], prefix: str = "") -> str:
+    """``" (did you mean --learning_rate?)"``: the closest known name of each unknown one."""
+    known = sorted(known)
+    meant = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:
+            meant.append(f"{prefix}{close[0]}")
+    return f" (did you mean {', '.join(meant)}?)" if meant else ""
 
 
 def _describe_negated_flags(parser: Any) -> None:

@@ -125,6 +125,7 @@ def check_model_path(name: str, task: str | None = None) -> None:
         return
     path = os.path.expanduser(name)
     if not os.path.exists(path):
+        _check_offline_hub_id(name)
         return
     if not os.path.isdir(path):
         raise DataError(f"--model_name_or_path {name!r} is a file, not a model folder")
@@ -133,6 +134,42 @@ def check_model_path(name: str, task: str | None = None) -> None:
             f"--model_name_or_path {name!r} has no config.json: not a saved model folder (save one "
             "with save_pretrained, or pass tiny-bert/tiny-gpt2 or a hub id)"
         )
+
+
+def _check_offline_hub_id(name: str) -> None:
+    """Offline (``HF_HUB_OFFLINE=1``), a hub id that is not in the Hugging Face cache cannot load:
+    say so now, with the names that would, instead of transformers' "check your internet
+    connection" after the data is loaded (the likelier cause offline is a mistyped name)."""
+    import difflib
+
+    from huggingface_hub import constants, scan_cache_dir, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE:
+        return  # online, from_pretrained resolves (or refuses) the id itself
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except ValueError:  # not even a valid repo id (HFValidationError)
+        pass
+    try:
+        cached = sorted(
+            repo.repo_id for repo in scan_cache_dir().repos if repo.repo_type == "model"
+        )
+    except Exception:  # no cache folder yet (CacheNotFound), or one that does not read
+        cached = []
+    local = [*TINY_MODEL_CONFIGS, OFFLINE_MINILM]
+    close = difflib.get_close_matches(name, [*local, *cached], n=1, cutoff=0.6)
+    raise DataError(
+        f"--model_name_or_path {name!r}: no such local folder, and not in the Hugging Face cache "
+        "(HF_HUB_OFFLINE=1: nothing is downloaded)"
+        + (f"; did you mean {close[0]!r}?" if close else "; check the name.")
+        + f" Names that load offline: {', '.join(local)}, a local model folder"
+        + (
+            f", or a cached id ({', '.join(cached[:5])}{' ...' if len(cached) > 5 else ''})"
+            if cached
+            else ""
+        )
+    )
 
 
 def check_sequence_length(name: str, length: int, flag: str, *, bounded: bool = True) -> None:

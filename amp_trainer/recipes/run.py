@@ -44,6 +44,7 @@ from amp_trainer.recipes.arguments import SharedDataArguments, SharedModelArgume
 from amp_trainer.recipes.config import (
     RunArguments,
     check_output_dir,
+    check_report_to,
     given_on_command_line,
     parse_args_with_config,
 )
@@ -211,6 +212,7 @@ class RecipeRun:
             model=model_args.model_name_or_path,
         )
         check_model_path(model_args.model_name_or_path, task)
+        check_report_to(training_args.report_to)
         return cls(
             name,
             model_args,

@@ -61,7 +61,13 @@ def out_dir(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--no_such_flag", "1"], "no_such_flag"),
+        (["--no_such_flag", "1"], "unknown flag(s) ['--no_such_flag'] (see --help)"),
+        (["--learnin_rate", "0.1"], "['--learnin_rate'] (did you mean --learning_rate?)"),
+        (
+            ["--report_to", "tensorbord"],
+            "--report_to tensorbord: no such integration (did you mean tensorboard?)",
+        ),
+        (["--max_steps", "5", "6"], "unexpected argument(s) ['6']"),
         (["--max_steps", "abc"], "max_steps"),
         (["--loss_scale_backoff_factor", "2"], "loss_scale_backoff_factor"),
         (["--precision", "fp32", "--bf16", "true"], "contradicts"),
@@ -79,6 +85,9 @@ def out_dir(tmp_path):
     ],
     ids=[
         "unknown-flag",
+        "flag-typo",
+        "report-to-typo",
+        "stray-value",
         "bad-int",
         "bad-scaler-value",
         "contradictory-precision",
@@ -97,10 +106,11 @@ def test_a_bad_flag_is_one_line_and_exit_2(recipe, tmp_path, capsys, args, messa
         ("max_steps: [1,\n", "not valid YAML"),
         ("- max_steps\n- 2\n", "must hold a mapping"),
         ("learnig_rate: 0.1\n", "unknown key(s) ['learnig_rate']"),
+        ("learnig_rate: 0.1\n", "(did you mean learning_rate?)"),
         ("max_steps: 2.7\n", "max_steps: 2.7"),
         ("precision: fp8\n", "precision: 'fp8'"),
     ],
-    ids=["yaml-syntax", "a-list", "a-typo", "float-for-int", "bad-choice"],
+    ids=["yaml-syntax", "a-list", "a-typo", "a-typo-suggestion", "float-for-int", "bad-choice"],
 )
 def test_a_bad_config_file_is_one_line_and_exit_2(recipe, tmp_path, capsys, text, message):
     config = tmp_path / "c.yaml"
@@ -356,3 +366,30 @@ def test_a_config_runs_with_either_spelling_of_length_grouping(
     config.write_text(f"{key}: {yaml_value}\n")
     (parsed,) = parse_args_with_config(HfArgumentParser(args_class), [], config)
     assert getattr(parsed, field) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [("tiny-bertt", "; did you mean 'tiny-bert'? "), ("bert-base-uncsed", "; check the name. ")],
+    ids=["close-to-a-local-name", "nothing-close"],
+)
+def test_an_offline_hub_id_not_in_the_cache_is_one_line_with_the_names_that_load(
+    recipe, tmp_path, capsys, monkeypatch, name, hint
+):
+    # The suite runs with HF_HUB_OFFLINE=1, as a laptop without network does. Before, the run
+    # loaded its data and then said transformers' "Check your internet connection".
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    code, line = recipe(["--model_name_or_path", name, *out_dir(tmp_path)], capsys)
+    assert code == 2
+    assert (
+        f"--model_name_or_path {name!r}: no such local folder, and not in the Hugging Face " in line
+    )
+    assert hint in line
+    assert line.endswith(
+        "Names that load offline: tiny-bert, tiny-gpt2, offline:all-MiniLM-L6-v2, a local model "
+        "folder"
+    )
+    assert "internet connection" not in line
