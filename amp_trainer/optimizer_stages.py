@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple
 
-__all__ = ["OptimizerStage", "OptimizerStages", "Settled", "Stage", "unscaled_gradients_error"]
+__all__ = [
+    "OptimizerStage",
+    "OptimizerStages",
+    "Settled",
+    "Stage",
+    "refuse_closure",
+    "unscaled_gradients_error",
+]
 
 
 class Stage(Enum):
@@ -201,3 +208,12 @@ def unscaled_gradients_error(scale: float) -> RuntimeError:
         "(accelerator.backward(loss) under Accelerate), or DynamicLossScaler(enabled=False) "
         "for unscaled training."
     )
+
+
+def refuse_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``step(closure)`` under loss scaling: refused, as torch's ``GradScaler`` refuses it."""
+    if "closure" in kwargs or (args and callable(args[0])):
+        raise RuntimeError(
+            "step() with a closure is not supported when loss scaling is enabled: the closure "
+            "would re-run backward on an unscaled loss."
+        )

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_trainer.amp_scaling_optimizers import declares_amp_scaling, step_declaring_amp_scaling
 from amp_trainer.grad_unscale import (
     GradientGroups,
     ScaleTensors,
@@ -54,6 +55,7 @@ from amp_trainer.optimizer_stages import (
     OptimizerStage,
     OptimizerStages,
     Stage,
+    refuse_closure,
     unscaled_gradients_error,
 )
 from amp_trainer.overflow_attribution import OverflowAttribution
@@ -427,23 +429,22 @@ class DynamicLossScaler:
 
         On overflow ``optimizer.step()`` is not called at all, for every optimizer kind (fused
         and foreach included): parameters and optimizer state (moments, step counters) stay
-        bit-identical, and wrappers that watch ``step()`` see the skip.
+        bit-identical, and wrappers that watch ``step()`` see the skip. An optimizer that skips
+        itself (torch's ``_step_supports_amp_scaling``) is stepped as it asks
+        (:mod:`~amp_trainer.amp_scaling_optimizers`).
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs or (args and callable(args[0])):
-            raise RuntimeError(
-                "step() with a closure is not supported when loss scaling is enabled: the closure "
-                "would re-run backward on an unscaled loss."
-            )
+        refuse_closure(args, kwargs)
         state = self._stages.of(optimizer)
         if state.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if state.stage is Stage.READY:
             self.unscale_(optimizer)
-        result = None
-        if not state.found_inf:
-            result = optimizer.step(*args, **kwargs)
+        if declares_amp_scaling(optimizer):  # it skips itself: called on every iteration
+            result = step_declaring_amp_scaling(optimizer, bool(state.found_inf), *args, **kwargs)
+        else:
+            result = None if state.found_inf else optimizer.step(*args, **kwargs)
         skipped = self._stages.stepped(state)
         if not state.passthrough:  # DCP's dummy step: no training step, nothing to report
             self._step_was_skipped = skipped
