@@ -224,13 +224,14 @@ def main(argv: list[str]) -> None:
         data_collator=default_data_collator,
     )
     with run.phase("evaluate untrained"):
-        before = trainer.evaluate(metric_key_prefix="untrained")
+        # "eval_" first: TensorBoard and W&B file it under eval/, not train/.
+        before = trainer.evaluate(metric_key_prefix="eval_untrained")
     sample_before = sample_on_main_process(trainer, data_args, "before")
     train_result, eval_metrics = run.train_evaluate_save(trainer)
     sample_after = sample_on_main_process(trainer, data_args, "after")
 
     # ---- finish: training.png, FP16 export + parity report, metrics.json, summary table
-    ppl_before = perplexity(before.get("untrained_loss"))
+    ppl_before = perplexity(before.get("eval_untrained_loss"))
     ppl_after = perplexity(eval_metrics.get("eval_loss"))
     state = trainer.state
     length_hint = training_length_hint(

@@ -98,6 +98,8 @@ def test_gpt2_recipe_reports_trained_and_untrained_perplexity(gpt2_lora_run):
     metrics = json.loads((out / "metrics.json").read_text())
     for key in ("eval", "untrained"):
         assert math.isfinite(metrics[key]["perplexity"]) and metrics[key]["perplexity"] > 1
+    # logged as eval_untrained_*: TensorBoard and W&B file it under eval/, not train/
+    assert "eval_untrained_loss" in metrics["untrained"]
     assert metrics["sample_before"].startswith("The with statement")
     assert "untrained eval perplexity" in result.stdout and "after training:" in result.stdout
 
