@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -358,7 +359,13 @@ class RecipeRun:
             release_ddp_reducers(trainer.model_wrapped)
             trainer.accelerator.end_training()
             self._output.close()
-            return
+            # This rank's work is done and nothing of it is left to write: leave without the
+            # interpreter's teardown, where a gloo rank still aborted now and then (once in a
+            # clean-clone CI run, after end_training()) and failed the whole launch.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         model_args, args = self.model_args, self.training_args
         output_dir = Path(args.output_dir)
         scaler = trainer.loss_scaler
