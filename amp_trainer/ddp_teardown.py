@@ -7,9 +7,9 @@ A process that trained a ``DistributedDataParallel`` model on gloo (every CPU ru
 DDP model (at the end of ``main()``, or at interpreter exit) destroys ``ProcessGroupGloo`` from the
 Reducer's binding *with the GIL held*. That destructor joins gloo's worker threads, and a worker
 that is still freeing the last all-reduce's tensors waits for the GIL to drop their Python objects:
-each waits for the other (torch's pybind destructors that block, pytorch/pytorch#56297). Measured
-on 2 CPU processes: 4 of 20 runs of ``examples/accelerate_loop.py`` hung after printing their
-results; a loop of DDP set-ups and teardowns hangs within its first two.
+each waits for the other (torch's pybind destructors that block, pytorch/pytorch#56297). It is a
+race: a loop of DDP set-ups and teardowns on two gloo ranks hangs within its first rounds
+(``tests/distributed/test_ddp_teardown.py``).
 
 Freeing the Reducer (and DDP's ``Logger``, which holds it too) while the process group is still
 registered makes it an ordinary reference drop; the group is then destroyed from its own binding,

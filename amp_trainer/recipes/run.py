@@ -360,8 +360,8 @@ class RecipeRun:
             trainer.accelerator.end_training()
             self._output.close()
             # This rank's work is done and nothing of it is left to write: leave without the
-            # interpreter's teardown, where a gloo rank still aborted now and then (once in a
-            # clean-clone CI run, after end_training()) and failed the whole launch.
+            # interpreter's teardown, where a gloo rank can still abort ("terminate called
+            # without an active exception") after end_training() and fail the whole launch.
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -123,7 +123,7 @@ def test_a_model_that_is_not_a_causal_lm_is_a_one_line_error(tmp_path, capsys):
 
 def test_a_text_longer_than_the_models_positions_is_cut_there_with_a_note(gpt2_dir, capsys):
     # The tiny GPT-2 embeds 64 positions; --max-length defaults to 256. Uncut, the forward
-    # failed with a bare IndexError from the position embedding.
+    # would fail with a bare IndexError from the position embedding.
     long_text = " ".join(TEXTS * 12)
     assert main(["mismatch", "--model", str(gpt2_dir), "--texts", long_text, TEXTS[1]]) == 0
     out = capsys.readouterr().out

@@ -51,8 +51,8 @@ def test_evaluate_before_train_replicas_end_identical(ranks):
 
 def test_the_two_sided_rule_under_ddp_keeps_every_ranks_scale_and_replica_the_same(ranks):
     """Each rank measures its own shard of the data; the readings are combined before the rule
-    reads them, so the ranks log the same figures and grow at the same steps (alone, they grew
-    apart: final scales 32 vs 256 in a fault probe)."""
+    reads them, so the ranks log the same figures and grow at the same steps (read alone, each
+    rank's shard gives its own figures and its own growths)."""
     out_dir = ranks[0][2]
     runs = [json.loads((out_dir / f"rank{r}_underflow.json").read_text()) for r in range(2)]
     params = [torch.load(out_dir / f"rank{r}_underflow.pt", weights_only=True) for r in range(2)]

@@ -3,7 +3,7 @@ the two-sided rule (``grow_on_underflow``) takes one decision for all and the sc
 
 Each rank's micro-batch is its own: rank 1's loss is a million times smaller, so on its own it
 reads most of its gradient flushed at scale 1 while rank 0 reads none. Read alone, rank 1 would
-grow its scale and rank 0 would not (the split a fault probe found: final scales 32 vs 256)."""
+grow its scale and rank 0 would not, and the replicas would drift apart."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """torch's ``_step_supports_amp_scaling`` contract: an optimizer that unscales and skips itself is
 handed ``grad_scale`` and ``found_inf`` and stepped on every iteration, as torch's ``GradScaler``
-does (torch's own test ``test_grad_scaler_pass_itself`` failed on ours: neither was set and
-``step()`` was not called on overflow). Compared with torch's scaler on the same optimizer and
-the same injected overflow; torch's own fused AdamW stays on the usual path."""
+does (the contract torch's ``test_grad_scaler_pass_itself`` checks). Compared with torch's
+scaler on the same optimizer and the same injected overflow; torch's own fused AdamW stays on the
+usual path."""
 
 from __future__ import annotations
 

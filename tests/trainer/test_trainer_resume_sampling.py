@@ -1,7 +1,7 @@
 """A resumed run reads the batches the uninterrupted one read, for every train sampler the
 recipes and AmpTrainer offer: random, and length-grouped (the recipes' default), whose order
-stock transformers draws from the global RNG when the epoch starts, so a resumed run read other
-batches (accuracy 0.874 vs 0.878 on a 100-step BERT run in a fault probe). Mid-epoch checkpoints
+stock transformers draws from the global RNG when the epoch starts, so with stock's sampler a
+resumed run reads other batches from its second epoch on. Mid-epoch checkpoints
 in the first and the second epoch, each resumed and compared bit for bit."""
 
 from __future__ import annotations

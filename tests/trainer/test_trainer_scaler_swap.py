@@ -1,8 +1,7 @@
 """A scaler put on ``trainer.accelerator.scaler`` after the trainer is built (as transformers' own
 tests and some scripts do) is the one that steps, so it is the one everything reads: the logged
-``loss_scale`` / ``skipped_steps``, ``trainer.loss_scaler`` and the consecutive-skip guard.
-Before, those kept reading the scaler AmpTrainer built (65536 and 0 skips logged while the real
-scale went 16 -> 8 with a skip; 131 skips in a row past ``max_consecutive_skipped_steps``)."""
+``loss_scale`` / ``skipped_steps``, ``trainer.loss_scaler`` and the consecutive-skip guard, not
+the scaler AmpTrainer built and that never steps."""
 
 from __future__ import annotations
 

@@ -333,8 +333,8 @@ def test_a_stream_with_nothing_left_to_read_stops_training_and_says_so(
     tmp_path, dispatch_batches, overflow_attempts
 ):
     # 2 batches, ever (a one-pass iterator). With a skipped update the run reads once more than
-    # stock would, into the exhausted stream; Accelerate's batch dispatcher (its default for a
-    # stream) then raised "Batch does not contain any data" out of train().
+    # stock would, into the exhausted stream, where Accelerate's batch dispatcher (its default
+    # for a stream) raises "Batch does not contain any data" unless the trainer stops there.
     trainer, _ = _run(
         tmp_path,
         overflow_attempts,
