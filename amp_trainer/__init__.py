@@ -29,6 +29,8 @@ __all__ = [
     "LossScaleError",
     "NonFiniteForwardError",
     "ParityResult",
+    "PrecisionDriftError",
+    "PrecisionGuard",
     "PrecisionMismatchCallback",
     "SampleInputsError",
     "ScalerStats",
@@ -74,6 +76,8 @@ _WHERE = {
     "PrecisionMismatchCallback": "amp_trainer.mismatch",
     "measure_precision_mismatch": "amp_trainer.mismatch",
     "release_ddp_reducers": "amp_trainer.ddp_teardown",
+    "PrecisionDriftError": "amp_trainer.precision_guard",
+    "PrecisionGuard": "amp_trainer.precision_guard",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -95,6 +99,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     )
     from amp_trainer.islands import keep_in_fp32, keep_norms_in_fp32
     from amp_trainer.mismatch import PrecisionMismatchCallback, measure_precision_mismatch
+    from amp_trainer.precision_guard import PrecisionDriftError, PrecisionGuard
     from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
     from amp_trainer.trainer import AmpSeq2SeqTrainer, AmpTrainer, AmpTrainerMixin
     from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments

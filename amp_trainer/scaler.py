@@ -59,6 +59,7 @@ from amp_trainer.optimizer_stages import (
     unscaled_gradients_error,
 )
 from amp_trainer.overflow_attribution import OverflowAttribution
+from amp_trainer.precision_guard import PrecisionGuard, guard_for
 from amp_trainer.scale_policy import Decision, ScalePolicy
 from amp_trainer.scaler_state import STATE_VERSION, ScalerStats, read_state
 from amp_trainer.underflow import UnderflowChecks, UnderflowReading
@@ -168,6 +169,7 @@ class DynamicLossScaler:
         # The step protocol's per-optimizer stages (READY/UNSCALED/STEPPED) and verdicts.
         self._stages = OptimizerStages()
         self._device_cache = ScaleTensors()  # the scale as device tensors, made lazily
+        self.precision_guard: PrecisionGuard | None = None  # set by watch(model)
 
     # ----------------------------------------------------------------------------------------
     # torch.amp.GradScaler-compatible accessors; telemetry; attribution by name
@@ -223,8 +225,7 @@ class DynamicLossScaler:
         call it with the step's (unscaled) loss *before* its backward, on the steps you want
         sampled (:class:`~amp_trainer.underflow.UnderflowChecks` shows how, and what it costs).
         The figures go into :attr:`stats`; ``grow_on_underflow=True`` may grow the scale at once.
-        Distributed, it is a collective (every rank, same step): the ranks' counts are combined,
-        so all read the whole step's figures and the rule decides the same on each."""
+        Distributed, a collective (every rank, same step): counts combined, one decision."""
         scale, group = self.get_scale(), self.process_group
         reading = self._underflow.measure(loss, params, scale, self._enabled, group)
         if self._enabled:
@@ -232,9 +233,8 @@ class DynamicLossScaler:
         return reading
 
     def request_underflow_check(self, params: nn.Module | Iterable[Any]) -> None:
-        """Measure :meth:`check_underflow` on the next :meth:`scale` call's loss (for callers
-        that do not hold the loss, such as a Trainer callback: Accelerate's ``backward`` hands
-        the step's exact loss, gradient-accumulation division included, to ``scale``)."""
+        """Measure :meth:`check_underflow` on the next :meth:`scale` call's loss: for callers
+        without the loss (a Trainer callback); ``scale`` gets the step's exact loss."""
         self._underflow.requested = params
 
     @property
@@ -249,11 +249,11 @@ class DynamicLossScaler:
     def watch(
         self, model_or_named_parameters: nn.Module | Iterable[tuple[str, torch.Tensor]]
     ) -> DynamicLossScaler:
-        """Remember parameter names so overflows can be attributed to them, in :attr:`stats` and
-        in errors: free on clean steps, the same list on every rank, sharded gradients checked
-        where they live (:class:`~amp_trainer.overflow_attribution.OverflowAttribution` says
-        how). Returns ``self`` so it chains off the constructor."""
+        """Name parameters in overflow reports (:attr:`stats`, errors; free on clean steps, the
+        same on every rank: :class:`~amp_trainer.overflow_attribution.OverflowAttribution`);
+        given a model, also guard its dtypes (:attr:`precision_guard`). Returns ``self``."""
         self._attribution.names.watch(model_or_named_parameters)
+        self.precision_guard = guard_for(model_or_named_parameters, self)
         return self
 
     # ----------------------------------------------------------------------------------------
@@ -309,6 +309,8 @@ class DynamicLossScaler:
     def _gradients(self, optimizer: torch.optim.Optimizer) -> tuple[GradientGroups, bool]:
         """``optimizer``'s gradients by device and dtype, and whether no :meth:`scale` produced
         them (then they must be all zero, :meth:`unscale_` says why); FP16 ones are refused."""
+        if self.precision_guard is not None:  # a cast's cause named before FP16 grads are refused
+            self.precision_guard.check(optimizer)
         groups, half_grads = group_gradients(optimizer, self._attribution.names)
         never_scaled = bool(groups) and self._stages.never_scaled(optimizer)
         if never_scaled and not all_zero(groups):
@@ -566,7 +568,7 @@ class DynamicLossScaler:
         state = self.__dict__.copy()
         state["_device_cache"] = ScaleTensors()
         state["_stages"] = self._stages.for_copy()
-        state["process_group"] = None
+        state["process_group"] = state["precision_guard"] = None  # runtime-only, like the group
         state["_attribution"] = self._attribution.for_copy()
         return state
 

@@ -90,6 +90,7 @@ from amp_trainer.loss_scale_monitor import LossScaleMonitor
 from amp_trainer.mismatch import PrecisionMismatchCallback
 from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
+from amp_trainer.precision_guard import PrecisionGuard, guard_run
 from amp_trainer.scaler import DynamicLossScaler
 from amp_trainer.step_accounting import PADDING, StepAccounting, install_step_aware_handler
 from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
@@ -233,6 +234,7 @@ class AmpTrainerMixin(Trainer):
         self._last_step_skipped = False
         self._underflow_logged: Any = None
         self._forward_overflow: ForwardOverflowGuard | None = None
+        self.precision_guard: PrecisionGuard | None = None  # see amp_trainer.precision_guard
         self._overflow_step_loss = OverflowStepLoss()
         self._steps = StepAccounting(self)
         super().__init__(*args, **kwargs)
@@ -409,9 +411,16 @@ class AmpTrainerMixin(Trainer):
         # The model trained may differ from the one at __init__ (model_init, hyperparameter
         # search), so the policy is applied again on the model the optimizer is built for.
         self._apply_precision_policy(self.model if model is None else model)
-        if model is None:  # before transformers 5.3, create_optimizer(self) takes no model
-            return super().create_optimizer()
-        return super().create_optimizer(model)
+        # before transformers 5.3, create_optimizer(self) takes no model
+        optimizer = super().create_optimizer(*(() if model is None else (model,)))
+        mode = (
+            "off" if self.is_deepspeed_enabled else getattr(self.args, "precision_guard", "raise")
+        )
+        guard = guard_run(
+            self.model if model is None else model, mode, self.loss_scaler, self.precision_guard
+        )
+        self.precision_guard = guard and guard.watch_optimizer(optimizer)
+        return optimizer
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         """Unscale and clip in one pass where that is exact (bit-identical), else stock.

@@ -24,6 +24,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 
 from amp_trainer.forward_overflow import check_divergence_policy, check_policy
 from amp_trainer.precision import resolve_precision
+from amp_trainer.precision_guard import check_guard_mode
 from amp_trainer.scaler import DynamicLossScaler
 
 __all__ = [
@@ -178,6 +179,18 @@ class AmpTrainingArguments(TrainingArguments):
         },
     )
 
+    precision_guard: Literal["raise", "repair", "warn", "off"] = field(
+        default="raise",
+        metadata={
+            "help": "What a dtype drift does (master weights, optimizer state or gradients at a "
+            "lower precision than at the start, an FP32 island lost, FP16 forwards without the "
+            "loss scaler or the scaler without FP16 forwards): 'raise' PrecisionDriftError "
+            "before the optimizer step, 'repair' put the dtypes back and go on, 'warn' only "
+            "say it, 'off' no check. A cast under torch.no_grad() (a generation) is undone "
+            "exactly in every mode but 'off'."
+        },
+    )
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Note the fp16/bf16 flags a subclass instance was built with, before any __post_init__.
 
@@ -218,6 +231,7 @@ class AmpTrainingArguments(TrainingArguments):
         self.loss_scaler_kwargs()  # validate the knobs now, not at the first optimizer step
         check_policy(self.on_forward_overflow)
         check_divergence_policy(self.on_divergence)
+        check_guard_mode(self.precision_guard)
         smoothing = self.label_smoothing_factor
         if not 0.0 <= smoothing <= 1.0:  # stock accepts nan: every loss NaN, every step skipped
             raise ValueError(f"label_smoothing_factor must be in [0, 1], got {smoothing!r}")

@@ -1,0 +1,691 @@
+"""The precision guard: no silent dtype drift of what a mixed-precision run rests on.
+
+A mixed-precision run is only as good as a few invariants set up at its start: the weights the
+optimizer updates (master weights) and its state stay FP32; gradients reach the optimizer in FP32;
+FP32 islands stay islands; FP16 forwards go with a loss scaler and a loss scaler with FP16
+forwards; an FSDP2 ``MixedPrecisionPolicy`` stays what it was. Each can be broken later, by code
+that never says so: a generation helper that casts the policy with ``model.to(torch.float16)``
+and never back (TRL's continuous batching), a callback's ``model.half()`` for a quick
+evaluation, an FP16 ``torch.autocast`` with no scaler (gradients flush to zero, no error). The
+run then trains at a lower precision than it was set up for, or dies much later with a message
+about something else.
+
+:class:`PrecisionGuard` watches those invariants. It checks them before every optimizer step
+(a step pre-hook on the optimizer, and the loss scaler's own call before it unscales, where FP16
+gradients would otherwise be refused with a message that names no cause), and before a training
+forward after a cast it saw. A *drift* is a change from the state at the start: a model loaded in
+bf16 on purpose for pure-BF16 training is not one; the same model turning bf16 mid-run is. Moving
+to a higher precision (FP16 to FP32) loses nothing and becomes the new expectation.
+
+What it does with a drift is the ``mode``:
+
+* ``"raise"`` (default): :class:`PrecisionDriftError` before the step that would lose precision,
+  naming the tensors, the dtype seen and expected, and the call site that changed them where a
+  ``Module.to()``/``.half()``/``.bfloat16()`` did it (the guard sees ``nn.Module._apply``);
+* ``"repair"``: put the expected dtypes back and go on, one warning per cause;
+* ``"warn"``: one warning per cause, nothing changed;
+* ``"off"``: no check at all.
+
+One cast is undone in every mode but ``"off"`` without an error: a cast of the trained parameters
+made under ``torch.no_grad()`` (a generation or an evaluation). The guard keeps the FP32 tensors
+the cast replaced and puts them back, bit for bit, before the next training forward or optimizer
+step: nothing was lost, so nothing needs stopping (one warning names the call site).
+
+Example (any loop; :class:`~amp_trainer.scaler.DynamicLossScaler.watch` with a model builds one,
+``AmpTrainer`` and ``AmpAccelerator`` build their own)::
+
+    guard = PrecisionGuard(model, scaler=scaler).watch_optimizer(optimizer)
+    ...                                     # train as usual: the step pre-hook checks
+    guard.close()                           # at the end: hooks removed
+
+Cost: one pass over the optimizer's parameters (and their state) per step, no device sync; the
+``benchmarks/precision_guard.py`` script measures it side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from amp_trainer.islands import is_fp32_island
+from amp_trainer.numerics import describe_names
+
+__all__ = [
+    "GUARD_MODES",
+    "Drift",
+    "PrecisionDriftError",
+    "PrecisionGuard",
+    "check_guard_mode",
+    "guard_for",
+    "guard_run",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What a drift does (see the module docstring).
+GUARD_MODES = ("raise", "repair", "warn", "off")
+
+# Higher is more precise; 16-bit types are equal in rank, so fp16 <-> bf16 is a drift both ways.
+_RANK = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_THIS_FILE = os.path.abspath(__file__)
+
+
+def check_guard_mode(mode: Any) -> str:
+    """``mode`` if it is one of :data:`GUARD_MODES`, else a ``ValueError`` naming them."""
+    if mode not in GUARD_MODES:
+        raise ValueError(f"precision_guard must be one of {GUARD_MODES}, got {mode!r}")
+    return mode
+
+
+class PrecisionDriftError(RuntimeError):
+    """A tensor the run's precision rests on changed dtype; ``drifts`` lists what was seen."""
+
+    def __init__(self, message: str, drifts: tuple[Drift, ...] = ()) -> None:
+        super().__init__(message)
+        self.drifts = drifts
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One broken invariant: what (``kind``), which tensors, seen vs expected, and who did it."""
+
+    kind: str
+    tensors: tuple[str, ...]
+    seen: str
+    expected: str
+    site: str | None = None
+
+    def describe(self) -> str:
+        by = f", changed by {self.site}" if self.site else ""
+        return (
+            f"{self.kind} of {len(self.tensors)} tensor(s) {describe_names(list(self.tensors))} "
+            f"{'are' if len(self.tensors) != 1 else 'is'} {self.seen}, expected "
+            f"{self.expected}{by}"
+        )
+
+
+def _lower(seen: torch.dtype, expected: torch.dtype) -> bool:
+    """Whether ``seen`` holds less than ``expected`` (a drift), for floating dtypes."""
+    if seen is expected:
+        return False
+    return _RANK.get(seen, 0) <= _RANK.get(expected, 0)
+
+
+# The conversion methods themselves (torch's, and the overrides of transformers, PEFT, ...):
+# the call site is whoever called them.
+_CONVERSIONS = frozenset(("to", "half", "float", "bfloat16", "double", "type", "cuda", "_apply"))
+
+
+def _call_site() -> str:
+    """The first frame outside torch, this module and the conversion methods: who called
+    ``.to()``/``.half()``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        inside = path.startswith(_TORCH_DIR) or path == _THIS_FILE
+        if not inside and frame.f_code.co_name not in _CONVERSIONS:
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "an unknown caller"
+
+
+@dataclass
+class _Cast:
+    """What a watched ``Module._apply`` did to one parameter."""
+
+    site: str
+    kept: torch.Tensor | None  # the tensor it replaced (the exact FP32 values), while held
+    under_no_grad: bool
+
+
+class _ApplyTracker:
+    """``nn.Module._apply`` (what ``.to()``, ``.half()``, ``.float()``, ``.cuda()`` call), seen.
+
+    Patched into ``nn.Module`` while at least one guard is open, never at import, and put back
+    when the last one closes. Only the outermost call of a recursion looks at dtypes, so a cast
+    of a whole model costs one pass over its parameters before and after.
+    """
+
+    def __init__(self) -> None:
+        self.guards: weakref.WeakSet[PrecisionGuard] = weakref.WeakSet()
+        self.torch_apply: Any = None
+        self.installed = False
+        self.local = threading.local()
+        self.lock = threading.Lock()
+
+    def add(self, guard: PrecisionGuard) -> None:
+        with self.lock:
+            self.guards.add(guard)
+            if not self.installed:
+                if self.torch_apply is None:
+                    self.torch_apply = nn.Module._apply
+                tracker = self
+
+                def _apply(module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+                    return tracker.apply(module, fn, args, kwargs)
+
+                nn.Module._apply = _apply  # type: ignore[method-assign]
+                self.installed = True
+
+    def discard(self, guard: PrecisionGuard) -> None:
+        with self.lock:
+            self.guards.discard(guard)
+            if not self.guards and self.installed:
+                nn.Module._apply = self.torch_apply  # type: ignore[method-assign]
+                self.installed = False
+
+    def apply(self, module: nn.Module, fn: Any, args: Any, kwargs: Any) -> Any:
+        if getattr(self.local, "depth", 0) or not self.guards:
+            return self.torch_apply(module, fn, *args, **kwargs)
+        before = [(g, g.watched_in(module)) for g in list(self.guards)]
+        before = [(g, params) for g, params in before if params]
+        self.local.depth = 1
+        try:
+            result = self.torch_apply(module, fn, *args, **kwargs)
+        finally:
+            self.local.depth = 0
+        if before:
+            site, no_grad = _call_site(), not torch.is_grad_enabled()
+            for guard, params in before:
+                guard.saw_apply(params, site, no_grad)
+        return result
+
+
+_TRACKER = _ApplyTracker()
+
+
+class _ForwardWatch:
+    """The guard's forward pre-hook: a weak reference, so a model that is copied, pickled or
+    saved whole carries a hook that does nothing rather than the guard and its run."""
+
+    def __init__(self, guard: PrecisionGuard) -> None:
+        self.guard: Any = weakref.ref(guard)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        guard = self.guard()
+        if guard is not None and not guard.closed:
+            guard.before_forward(module)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.guard = lambda: None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ForwardWatch:
+        copy = _ForwardWatch.__new__(_ForwardWatch)
+        copy.guard = lambda: None
+        return copy
+
+
+class PrecisionGuard:
+    """Check, before each optimizer step, that nothing lowered the run's precision since its start.
+
+    Args:
+        model: the model trained; its floating parameters' dtypes now are the expectation.
+        mode: ``"raise"``, ``"repair"``, ``"warn"`` or ``"off"`` (module docstring).
+        scaler: the run's :class:`~amp_trainer.scaler.DynamicLossScaler`, if any: FP16 forwards
+            are expected exactly when it is enabled.
+        check_autocast: whether to watch the forwards' autocast (one pre-hook on one module).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mode: str = "raise",
+        scaler: Any = None,
+        check_autocast: bool = True,
+    ) -> None:
+        self.mode = check_guard_mode(mode)
+        self.model = model
+        self.scaler = scaler
+        self._names: dict[int, str] = {}
+        self._expected: dict[int, torch.dtype] = {}
+        self._casts: dict[int, _Cast] = {}
+        self._kept_buffers: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor, bool]] = {}
+        self._state_dtypes: dict[tuple[int, str], torch.dtype] = {}
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._hooks: list[Any] = []
+        self._said: set[tuple[str, str | None]] = set()
+        self._islands: dict[str, nn.Module] = {}
+        self._fsdp: dict[str, Any] = {}
+        self._forwards = self._fp16_forwards = 0
+        self._check_autocast = check_autocast
+        self._device_type = "cpu"
+        self.closed = self.mode == "off"
+        self.drifts_seen: list[Drift] = []
+        if self.closed:
+            return
+        self.refresh()
+        _TRACKER.add(self)
+
+    # -- what the run set up -------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Take the model's current dtypes, islands and FSDP2 policies as the expectation for
+        parameters not seen yet (a model re-prepared, adapters added)."""
+        for name, param in self.model.named_parameters():
+            self._names.setdefault(id(param), name)
+            if param.is_floating_point():
+                self._expected.setdefault(id(param), param.dtype)
+                self._device_type = param.device.type
+        for name, module in self.model.named_modules():
+            if is_fp32_island(module):
+                self._islands.setdefault(name, module)
+            policy = _fsdp_policy(module)
+            if policy is not None:
+                self._fsdp.setdefault(name, policy)
+        for key in [k for k, cast in self._casts.items() if cast.kept is None]:
+            self._casts.pop(key)  # a cast already made good by hand: nothing to put back
+        if self._check_autocast and not self._hooks:
+            first = next((m for m in self.model.modules() if m._parameters), None)
+            if first is not None:
+                self._hooks.append(first.register_forward_pre_hook(_ForwardWatch(self)))
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> PrecisionGuard:
+        """Check before each ``optimizer.step()`` (a torch step pre-hook); returns ``self``."""
+        while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # Accelerate's and other wrappers
+        if self.closed or any(ref() is optimizer for ref in self._optimizers):
+            return self
+        self._optimizers.append(weakref.ref(optimizer))
+        for param in _params_of(optimizer):
+            if param.is_floating_point():
+                self._expected.setdefault(id(param), param.dtype)
+        self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+        return self
+
+    def close(self) -> None:
+        """Remove every hook; the guard checks nothing after this."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._casts.clear()
+        self._kept_buffers.clear()
+        self.closed = True
+        _TRACKER.discard(self)
+
+    # -- what the tracker and the hooks tell it ------------------------------------------------
+    def watched_in(self, module: nn.Module) -> list[tuple[Any, str | None, torch.Tensor]]:
+        """``module``'s trainable parameters this guard expects something of, and its FP32
+        buffers (a rotary embedding's ``inv_freq``), with their tensors now."""
+        if self.closed:
+            return []
+        expected = self._expected
+        found: list[tuple[Any, str | None, torch.Tensor]] = [
+            (p, None, p.data) for p in module.parameters() if p.requires_grad and id(p) in expected
+        ]
+        if found:
+            found += [
+                (holder, key, buf)
+                for holder in module.modules()
+                for key, buf in holder._buffers.items()
+                if buf is not None and buf.dtype in (torch.float32, torch.float64)
+            ]
+        return found
+
+    def saw_apply(
+        self, watched: list[tuple[Any, str | None, torch.Tensor]], site: str, no_grad: bool
+    ) -> None:
+        """What a ``Module._apply`` changed: casts to a lower precision are remembered, with
+        the tensors they replaced (so they can be put back exactly)."""
+        for owner, key, old in watched:
+            if key is not None:  # a buffer
+                now = owner._buffers.get(key)
+                if now is not None and _lower(now.dtype, old.dtype):
+                    self._kept_buffers.setdefault((id(owner), key), (owner, key, old, no_grad))
+                continue
+            param = owner
+            if param.dtype is old.dtype or not _lower(param.dtype, self._expected[id(param)]):
+                continue
+            earlier = self._casts.get(id(param))
+            kept = earlier.kept if earlier is not None else old
+            if kept is not None and kept.dtype is not self._expected[id(param)]:
+                kept = None
+            self._casts[id(param)] = _Cast(site, kept, no_grad)
+
+    def before_forward(self, module: nn.Module) -> None:
+        """A forward of the watched module: note its autocast; undo casts before training."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self._forwards += 1
+        dev = self._device_type
+        autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
+        half = autocast is torch.float16 or any(
+            p is not None and p.dtype is torch.float16 for p in module._parameters.values()
+        )
+        self._fp16_forwards += half
+        if self._casts or self._kept_buffers:
+            self._undo_casts(only_no_grad=self.mode != "repair")
+            if self._casts and self.mode == "raise":
+                drifts = self._master_weight_drifts(self._trainable())
+                if drifts:
+                    self._act(drifts, "before a training forward")
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.check(optimizer)
+
+    # -- the check ---------------------------------------------------------------------------
+    def check(self, optimizer: torch.optim.Optimizer | None = None) -> list[Drift]:
+        """Check every invariant now (before an optimizer step); act per :attr:`mode`.
+
+        Returns the drifts found (empty on a clean step). Called by the optimizer's step
+        pre-hook and by the loss scaler before it unscales; a plain loop may call it itself.
+        """
+        if self.closed:
+            return []
+        if optimizer is not None:
+            self.watch_optimizer(optimizer)
+        if self._casts or self._kept_buffers:
+            self._undo_casts(only_no_grad=True)
+        params = self._trainable()
+        drifts = self._master_weight_drifts(params)
+        drifts += self._gradient_drifts(params)
+        drifts += self._optimizer_state_drifts()
+        drifts += self._island_drifts()
+        drifts += self._autocast_drifts()
+        drifts += self._fsdp_drifts()
+        if drifts:
+            self._act(drifts, "before the optimizer step")
+        return drifts
+
+    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
+        seen: dict[int, nn.Parameter] = {}
+        for ref in self._optimizers:
+            optimizer = ref()
+            if optimizer is not None:
+                seen.update((id(p), p) for p in _params_of(optimizer))
+        if not seen:
+            seen = {id(p): p for p in self.model.parameters() if p.requires_grad}
+        names = self._names
+        if any(key not in names for key in seen):
+            self.refresh()  # parameters replaced since (sharded by FSDP2, adapters added)
+        return [(names.get(key, f"<parameter {key:#x}>"), p) for key, p in seen.items()]
+
+    def _expect(self, param: torch.Tensor) -> torch.dtype | None:
+        expected = self._expected.get(id(param))
+        if expected is None and param.is_floating_point():
+            self._expected[id(param)] = expected = param.dtype
+        elif (
+            expected is not None
+            and param.dtype is not expected
+            and not _lower(param.dtype, expected)
+        ):
+            self._expected[id(param)] = expected = param.dtype  # higher precision: kept
+        return expected
+
+    def _master_weight_drifts(self, params: list[tuple[str, nn.Parameter]]) -> list[Drift]:
+        found: dict[tuple[torch.dtype, torch.dtype, str | None], list[str]] = {}
+        for name, param in params:
+            expected = self._expect(param)
+            if expected is not None and param.dtype is not expected:
+                cast = self._casts.get(id(param))
+                key = (param.dtype, expected, cast.site if cast else None)
+                found.setdefault(key, []).append(name)
+        return [
+            Drift("master weights", tuple(n), _dt(seen), _dt(exp), site)
+            for (seen, exp, site), n in found.items()
+        ]
+
+    def _gradient_drifts(self, params: list[tuple[str, nn.Parameter]]) -> list[Drift]:
+        found: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+        for name, param in params:
+            grad, expected = param.grad, self._expected.get(id(param))
+            if grad is not None and expected is not None and _lower(grad.dtype, expected):
+                found.setdefault((grad.dtype, expected), []).append(name)
+        return [Drift("gradients", tuple(n), _dt(s), _dt(e)) for (s, e), n in found.items()]
+
+    def _optimizer_state_drifts(self) -> list[Drift]:
+        """Moment-like state (the parameter's shape) lower than it was first seen: an optimizer
+        that keeps BF16 moments by design from its first step is what the run set up."""
+        found: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+        first = self._state_dtypes
+        for param, key, value in self._moment_states():
+            expected = first.setdefault((id(param), key), value.dtype)
+            if _lower(value.dtype, expected):
+                name = self._names.get(id(param), "?")
+                found.setdefault((value.dtype, expected), []).append(f"{name}:{key}")
+            elif value.dtype is not expected:
+                first[(id(param), key)] = value.dtype
+        return [Drift("optimizer state", tuple(n), _dt(s), _dt(e)) for (s, e), n in found.items()]
+
+    def _moment_states(self) -> Iterator[tuple[torch.Tensor, str, torch.Tensor]]:
+        for ref in self._optimizers:
+            optimizer = ref()
+            if optimizer is None:
+                continue
+            for param, state in _states(optimizer):
+                for key, value in state.items():
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and value.shape == param.shape
+                        and value.is_floating_point()
+                    ):
+                        yield param, key, value
+
+    def _island_drifts(self) -> list[Drift]:
+        lost = []
+        for name, module in self._islands.items():
+            try:
+                now = self.model.get_submodule(name) if name else self.model
+            except AttributeError:
+                now = None
+            if now is not module or not is_fp32_island(module):
+                lost.append(name or "<model>")
+        if not lost:
+            return []
+        return [Drift("FP32 islands", tuple(lost), "not computing in FP32", "FP32 islands")]
+
+    def _autocast_drifts(self) -> list[Drift]:
+        forwards, fp16 = self._forwards, self._fp16_forwards
+        self._forwards = self._fp16_forwards = 0
+        if not forwards:
+            return []
+        scaling = self.scaler is not None and self.scaler.is_enabled()
+        if fp16 and not scaling:
+            return [
+                Drift(
+                    "training forwards",
+                    ("FP16 forward",),
+                    "FP16 with no loss scaler",
+                    "a loss scaler wherever FP16 gradients flow",
+                )
+            ]
+        if scaling and not fp16:
+            return [
+                Drift(
+                    "training forwards",
+                    ("forward",),
+                    "not FP16 (autocast off)",
+                    "FP16 autocast where the loss scaler is on",
+                )
+            ]
+        return []
+
+    def _fsdp_drifts(self) -> list[Drift]:
+        drifts = []
+        for name, asked in self._fsdp.items():
+            now = _fsdp_policy(self.model.get_submodule(name) if name else self.model)
+            if now != asked:
+                drifts.append(
+                    Drift("FSDP2 MixedPrecisionPolicy", (name or "<model>",), str(now), str(asked))
+                )
+        return drifts
+
+    # -- acting on it ------------------------------------------------------------------------
+    def _undo_casts(self, *, only_no_grad: bool) -> None:
+        """Put back the FP32 tensors a cast replaced: exact, since no step ran in between."""
+        self._undo_buffer_casts(only_no_grad)
+        for param, name in self._params_by_id(self._casts):
+            cast = self._casts[id(param)]
+            if only_no_grad and not cast.under_no_grad:
+                continue
+            expected = self._expected[id(param)]
+            with torch.no_grad():
+                if cast.kept is not None and cast.kept.shape == param.shape:
+                    param.data = cast.kept.to(param.device)
+                else:
+                    param.data = param.data.to(expected)
+                if param.grad is not None and param.grad.dtype is not expected:
+                    param.grad = param.grad.to(expected)
+            del self._casts[id(param)]
+            how = "under torch.no_grad()" if cast.under_no_grad else "during training"
+            self._say_once(
+                ("undone", cast.site),
+                f"{cast.site} cast trained parameters (e.g. {name}) to a lower precision {how}; "
+                f"their {_dt(expected)} values were kept and are back "
+                f"{'bit for bit' if cast.kept is not None else '(rounded once)'}.",
+            )
+
+    def _undo_buffer_casts(self, only_no_grad: bool) -> None:
+        for where, (holder, key, old, no_grad) in list(self._kept_buffers.items()):
+            if only_no_grad and not no_grad:
+                continue
+            now = holder._buffers.get(key)
+            if now is not None and now.shape == old.shape and _lower(now.dtype, old.dtype):
+                holder._buffers[key] = old.to(now.device)
+            del self._kept_buffers[where]
+
+    def _params_by_id(self, ids: Iterable[int]) -> Iterator[tuple[nn.Parameter, str]]:
+        wanted = set(ids)
+        for name, param in self.model.named_parameters():
+            if id(param) in wanted:
+                yield param, name
+
+    def _act(self, drifts: list[Drift], when: str) -> None:
+        self.drifts_seen.extend(drifts)
+        message = f"Precision drift {when}: " + "; ".join(d.describe() for d in drifts) + "."
+        if self.mode == "raise":
+            raise PrecisionDriftError(
+                message + " The run was set up with these dtypes and would go on at a lower "
+                "precision. precision_guard='repair' puts them back and goes on, 'warn' only "
+                "says it, 'off' turns the check off.",
+                tuple(drifts),
+            )
+        if self.mode == "repair":
+            repaired = self._repair(drifts)
+            message += f" Repaired: {repaired}." if repaired else " Nothing here can be repaired."
+        for drift in drifts:
+            if (drift.kind, drift.site) not in self._said:
+                self._said.add((drift.kind, drift.site))
+                logger.warning("%s", message)
+                break
+        if self.mode == "warn":
+            self._casts.clear()  # the run goes on at the drifted dtypes: nothing to put back
+
+    def _repair(self, drifts: list[Drift]) -> str:
+        done = []
+        kinds = {d.kind for d in drifts}
+        if "master weights" in kinds or "gradients" in kinds:
+            trainable = self._trainable()
+            for _, param in trainable:
+                expected = self._expected.get(id(param))
+                if expected is not None and param.dtype is not expected:
+                    self._casts.setdefault(id(param), _Cast("an assignment to .data", None, False))
+            self._undo_casts(only_no_grad=False)  # the weights, and their gradients with them
+            for _, param in trainable:
+                expected, grad = self._expected.get(id(param)), param.grad
+                if expected is not None and grad is not None and _lower(grad.dtype, expected):
+                    param.grad = grad.to(expected)
+            done.append("master weights and gradients")
+        if "optimizer state" in kinds:
+            for param, key, value in list(self._moment_states()):
+                expected = self._state_dtypes[(id(param), key)]
+                if _lower(value.dtype, expected):
+                    self._optimizers_state_of(param)[key] = value.to(expected)
+            done.append("optimizer state")
+        if "FP32 islands" in kinds:
+            from amp_trainer.islands import keep_in_fp32
+
+            names = [d for drift in drifts if drift.kind == "FP32 islands" for d in drift.tensors]
+            keep_in_fp32(self.model, [n for n in names if n != "<model>"])
+            self._islands = {n: self.model.get_submodule(n) for n in self._islands}
+            done.append("FP32 islands")
+        return ", ".join(done)
+
+    def _optimizers_state_of(self, param: torch.Tensor) -> dict[str, Any]:
+        for ref in self._optimizers:
+            optimizer = ref()
+            if optimizer is not None and param in optimizer.state:
+                return optimizer.state[param]
+        raise KeyError("no optimizer holds state for this parameter")
+
+    def _say_once(self, key: tuple[str, str | None], message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.warning("%s", message)
+
+
+def guard_for(target: Any, scaler: Any) -> PrecisionGuard | None:
+    """The guard :meth:`~amp_trainer.scaler.DynamicLossScaler.watch` keeps for ``target``: the
+    scaler's own for the same model (refreshed), a new one for another model (the old one
+    closed), the current one where ``target`` is not a model (named parameters name nothing
+    whose dtypes could be checked as a whole), none for a disabled scaler."""
+    current = scaler.precision_guard
+    if not isinstance(target, nn.Module) or getattr(scaler, "precision_guard_off", False):
+        return current
+    if current is not None and current.model is target and not current.closed:
+        current.refresh()
+        return current
+    if current is not None:
+        current.close()
+    return PrecisionGuard(target, scaler=scaler) if scaler.is_enabled() else None
+
+
+def guard_run(
+    model: nn.Module, mode: str, scaler: Any, current: PrecisionGuard | None, **kwargs: Any
+) -> PrecisionGuard | None:
+    """The guard a trainer or an accelerator keeps for ``model`` in ``mode``: ``current`` where
+    it already guards that model in that mode, else a new one (``current`` and the scaler's own
+    closed); it is the scaler's too, so the check runs before the scaler unscales."""
+    check_guard_mode(mode)
+    own = getattr(scaler, "precision_guard", None)
+    same = current is not None and current.model is model and current.mode == mode
+    if same and not current.closed:  # type: ignore[union-attr]
+        current.refresh()
+        return current
+    for old in {id(g): g for g in (current, own) if g is not None}.values():
+        old.close()
+    guard = None if mode == "off" else PrecisionGuard(model, mode=mode, scaler=scaler, **kwargs)
+    if scaler is not None:
+        scaler.precision_guard = guard
+        scaler.precision_guard_off = guard is None  # watch(model) builds none after this
+    return guard
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _states(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+    state = optimizer.state
+    for param in _params_of(optimizer):
+        entry = state.get(param)
+        if entry:
+            yield param, entry
+
+
+def _fsdp_policy(module: nn.Module) -> Any:
+    """``module``'s FSDP2 ``MixedPrecisionPolicy`` where ``fully_shard`` made it an FSDP module."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    try:
+        return get_state()._mp_policy
+    except (AttributeError, RuntimeError, AssertionError):  # not sharded (yet)
+        return None
