@@ -61,6 +61,7 @@ from amp_trainer.forward_overflow import (
 )
 from amp_trainer.islands import apply_fp32_policy
 from amp_trainer.precision import resolve_precision
+from amp_trainer.precision_guard import PrecisionGuard, check_guard_mode, guard_run
 from amp_trainer.scaler import DynamicLossScaler
 
 __all__ = ["AmpAccelerator", "clip_grad_norm_in_one_pass", "install_scaler"]
@@ -258,6 +259,9 @@ class AmpAccelerator(Accelerator):
         on_divergence: ``"raise"`` (``DivergenceError``) or ``"warn"`` (warn once, go on): what
             it does when that overflow is really divergence (weights or loss far beyond their
             values at the start); no FP32 island is added for it either way.
+        precision_guard: ``"raise"``, ``"repair"``, ``"warn"`` or ``"off"``: what a dtype drift
+            of a prepared model's master weights, gradients, optimizer state or islands does
+            (:mod:`~amp_trainer.precision_guard`), checked before each optimizer step.
         *args, **kwargs: as :class:`accelerate.Accelerator`; ``mixed_precision`` may also come
             from ``ACCELERATE_MIXED_PRECISION`` or an ``accelerate config`` file, as there.
     """
@@ -270,8 +274,11 @@ class AmpAccelerator(Accelerator):
         fp32_modules: Iterable[str] | str = (),
         on_forward_overflow: str = "fp32",
         on_divergence: str = "raise",
+        precision_guard: str = "raise",
         **kwargs: Any,
     ) -> None:
+        self.precision_guard_mode = check_guard_mode(precision_guard)
+        self.precision_guards: list[PrecisionGuard] = []  # one per prepared model
         self.fp32_modules = [fp32_modules] if isinstance(fp32_modules, str) else list(fp32_modules)
         self.on_forward_overflow = check_policy(on_forward_overflow)
         self.on_divergence = check_divergence_policy(on_divergence)
@@ -369,6 +376,8 @@ class AmpAccelerator(Accelerator):
         afterwards; the unwrapped models are untouched."""
         release_ddp_reducers(*(ref() for ref in self._ddp_wrappers))
         self._ddp_wrappers.clear()
+        for guard in self.precision_guards:
+            guard.close()
         super().end_training()
 
     def _amp_prepare(self, model: torch.nn.Module) -> None:
@@ -385,6 +394,18 @@ class AmpAccelerator(Accelerator):
                 model, self._amp_precision, norms=self.keep_norms_fp32, modules=self.fp32_modules
             )
         scaler = self.loss_scaler
+        if (
+            self._amp_precision is not None
+            and not fsdp1
+            and not any(g.model is model for g in self.precision_guards)
+        ):
+            # The scaler checks with the first model's guard before it unscales; every guard
+            # checks before its own optimizers' steps.
+            guard = guard_run(
+                model, self.precision_guard_mode, scaler, None, attach=not self.precision_guards
+            )
+            if guard is not None:
+                self.precision_guards.append(guard)
         if scaler is not None and scaler.is_enabled() and self.on_forward_overflow != "skip":
             # Made now, so that it knows the scale the first step runs with.
             self._forward_overflow = ForwardOverflowGuard(
@@ -415,6 +436,13 @@ class AmpAccelerator(Accelerator):
                 if isinstance(obj, torch.nn.Module):
                     scaler.watch(self.unwrap_model(obj).named_parameters())
         return result
+
+    def prepare_optimizer(self, optimizer: Any, device_placement: bool | None = None) -> Any:
+        """As upstream; the precision guard of the model it updates checks before each step."""
+        prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        for guard in self.precision_guards:
+            guard.watch_optimizer(optimizer, only_own=True)
+        return prepared
 
     def _sharded_by_user(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` already holds DTensor parameters in a run Accelerate would wrap in

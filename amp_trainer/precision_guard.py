@@ -106,11 +106,19 @@ class Drift:
     site: str | None = None
 
     def describe(self) -> str:
+        names = describe_names(list(self.tensors))
+        if self.kind == "FP32 islands":
+            return f"{len(self.tensors)} FP32 island(s) {names} no longer compute in FP32"
+        if self.kind == "training forwards":
+            return f"training forwards ran {self.seen}; expected {self.expected}"
+        if self.kind == "FSDP2 MixedPrecisionPolicy":
+            policy = f"the FSDP2 MixedPrecisionPolicy of {names}"
+            return f"{policy} is {self.seen}, set up as {self.expected}"
         by = f", changed by {self.site}" if self.site else ""
+        verb = "are" if len(self.tensors) != 1 else "is"
         return (
-            f"{self.kind} of {len(self.tensors)} tensor(s) {describe_names(list(self.tensors))} "
-            f"{'are' if len(self.tensors) != 1 else 'is'} {self.seen}, expected "
-            f"{self.expected}{by}"
+            f"{self.kind} of {len(self.tensors)} tensor(s) {names} {verb} {self.seen}, "
+            f"expected {self.expected}{by}"
         )
 
 
@@ -146,6 +154,20 @@ class _Cast:
     site: str
     kept: torch.Tensor | None  # the tensor it replaced (the exact FP32 values), while held
     under_no_grad: bool
+
+
+@dataclass
+class _Plan:
+    """A clean step's tensors and dtypes (see :meth:`PrecisionGuard._make_plan`)."""
+
+    params: list[tuple[torch.Tensor, torch.dtype]]
+    states: list[tuple[dict[str, Any], str, torch.dtype]]
+    islands: list[tuple[nn.Module, str, nn.Module]]
+    optimizers: list[tuple[torch.optim.Optimizer, Any, int, int]]
+
+
+def _count(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
 
 
 class _ApplyTracker:
@@ -255,6 +277,7 @@ class PrecisionGuard:
         self._casts: dict[int, _Cast] = {}
         self._kept_buffers: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor, bool]] = {}
         self._state_dtypes: dict[tuple[int, str], torch.dtype] = {}
+        self._plan: _Plan | None = None
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._hooks: list[Any] = []
         self._said: set[tuple[str, str | None]] = set()
@@ -288,16 +311,28 @@ class PrecisionGuard:
         for key in [k for k, cast in self._casts.items() if cast.kept is None]:
             self._casts.pop(key)  # a cast already made good by hand: nothing to put back
         if self._check_autocast and not self._hooks:
-            first = next((m for m in self.model.modules() if m._parameters), None)
+            # A submodule, not the model itself: a wrapper that enters autocast inside the
+            # model's forward (Accelerate's) has not entered it yet when the model's hooks run.
+            # A model that is one module with parameters is not watched for autocast.
+            model = self.model
+            first = next((m for m in model.modules() if m is not model and m._parameters), None)
             if first is not None:
                 self._hooks.append(first.register_forward_pre_hook(_ForwardWatch(self)))
 
-    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> PrecisionGuard:
-        """Check before each ``optimizer.step()`` (a torch step pre-hook); returns ``self``."""
-        while hasattr(optimizer, "optimizer") and not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = optimizer.optimizer  # Accelerate's and other wrappers
+    def watch_optimizer(
+        self, optimizer: torch.optim.Optimizer, *, only_own: bool = False
+    ) -> PrecisionGuard:
+        """Check before each ``optimizer.step()`` (a torch step pre-hook); returns ``self``.
+        ``only_own``: not if the optimizer updates none of this model's parameters (another
+        model's, in a loop with several)."""
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # Accelerate's AcceleratedOptimizer and the like
         if self.closed or any(ref() is optimizer for ref in self._optimizers):
             return self
+        if only_own:
+            own = {id(p) for p in self.model.parameters()}
+            if not any(id(p) in own for p in _params_of(optimizer)):
+                return self
         self._optimizers.append(weakref.ref(optimizer))
         for param in _params_of(optimizer):
             if param.is_floating_point():
@@ -388,16 +423,64 @@ class PrecisionGuard:
             self.watch_optimizer(optimizer)
         if self._casts or self._kept_buffers:
             self._undo_casts(only_no_grad=True)
+        drifts = self._autocast_drifts()
+        if self._fsdp:
+            drifts += self._fsdp_drifts()
+        if not drifts and self._plan_holds():
+            return drifts
         params = self._trainable()
-        drifts = self._master_weight_drifts(params)
+        drifts += self._master_weight_drifts(params)
         drifts += self._gradient_drifts(params)
         drifts += self._optimizer_state_drifts()
         drifts += self._island_drifts()
-        drifts += self._autocast_drifts()
-        drifts += self._fsdp_drifts()
+        self._plan = None if drifts else self._make_plan(params)
         if drifts:
             self._act(drifts, "before the optimizer step")
         return drifts
+
+    def _make_plan(self, params: list[tuple[str, nn.Parameter]]) -> _Plan:
+        """What a clean step looks like, as flat lists: the next checks compare against it
+        with identity tests only (one pass, no allocation), and fall back to the full check,
+        which names what changed, when anything differs."""
+        expected = self._expected
+        optimizers = [ref() for ref in self._optimizers]
+        states = [
+            (state, key, value.dtype)
+            for param, key, value in self._moment_states()
+            for state in (self._optimizers_state_of(param),)
+        ]
+        islands = []
+        for name, module in self._islands.items():
+            parent_name, _, attr = name.rpartition(".")
+            if name:
+                islands.append((self.model.get_submodule(parent_name), attr, module))
+        return _Plan(
+            params=[(p, expected[id(p)]) for _, p in params if id(p) in expected],
+            states=states,
+            islands=islands,
+            optimizers=[(o, o.state, len(o.state), _count(o)) for o in optimizers if o],
+        )
+
+    def _plan_holds(self) -> bool:
+        plan = self._plan
+        if plan is None or len(plan.optimizers) != len(self._optimizers):
+            return False
+        for optimizer, state, entries, params in plan.optimizers:
+            if optimizer.state is not state or len(state) != entries or _count(optimizer) != params:
+                return False
+        # A gradient always has its parameter's dtype (autograd accumulates in it, assignment
+        # refuses another): the parameters' dtypes answer for their gradients here.
+        for param, dtype in plan.params:
+            if param.dtype is not dtype:
+                return False
+        for state, key, dtype in plan.states:
+            value = state.get(key)
+            if value is None or value.dtype is not dtype:
+                return False
+        for parent, attr, module in plan.islands:
+            if parent._modules.get(attr) is not module or not is_fp32_island(module):
+                return False
+        return True
 
     def _trainable(self) -> list[tuple[str, nn.Parameter]]:
         seen: dict[int, nn.Parameter] = {}
@@ -643,13 +726,20 @@ def guard_for(target: Any, scaler: Any) -> PrecisionGuard | None:
 
 
 def guard_run(
-    model: nn.Module, mode: str, scaler: Any, current: PrecisionGuard | None, **kwargs: Any
+    model: nn.Module,
+    mode: str,
+    scaler: Any,
+    current: PrecisionGuard | None,
+    *,
+    attach: bool = True,
+    **kwargs: Any,
 ) -> PrecisionGuard | None:
     """The guard a trainer or an accelerator keeps for ``model`` in ``mode``: ``current`` where
     it already guards that model in that mode, else a new one (``current`` and the scaler's own
-    closed); it is the scaler's too, so the check runs before the scaler unscales."""
+    closed). ``attach``: it is the scaler's too, so the check runs before the scaler unscales
+    (where FP16 gradients would be refused with no cause named)."""
     check_guard_mode(mode)
-    own = getattr(scaler, "precision_guard", None)
+    own = getattr(scaler, "precision_guard", None) if attach else None
     same = current is not None and current.model is model and current.mode == mode
     if same and not current.closed:  # type: ignore[union-attr]
         current.refresh()
@@ -657,7 +747,7 @@ def guard_run(
     for old in {id(g): g for g in (current, own) if g is not None}.values():
         old.close()
     guard = None if mode == "off" else PrecisionGuard(model, mode=mode, scaler=scaler, **kwargs)
-    if scaler is not None:
+    if scaler is not None and attach:
         scaler.precision_guard = guard
         scaler.precision_guard_off = guard is None  # watch(model) builds none after this
     return guard
