@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.trainer_callback import CallbackHandler, TrainerState
+from transformers.trainer_callback import CallbackHandler, ProgressCallback, TrainerState
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, has_length
 
 __all__ = [
@@ -496,7 +496,35 @@ class StepAccounting:
         skipped, self._skipped = self._skipped, False
         return skipped
 
+    def advance_progress_bars(self, callbacks: list[Any], state: TrainerState) -> None:
+        """With ``num_train_epochs``, move transformers' progress bar on every attempt.
+
+        Its total is then ``state.max_steps``, the attempts the epochs hold (the run ends when
+        their data is read), while stock moves it by ``global_step``: a run with skips would
+        end short of its total (151/155). Here it shows the attempts made, so it ends at its
+        total; with ``max_steps`` (applied updates) stock's bar already does.
+        """
+        if self._plan.get("attempt_budget") is None or not state.is_world_process_zero:
+            return
+        for callback in callbacks:
+            bar = getattr(callback, "training_bar", None)
+            if isinstance(callback, ProgressCallback) and bar is not None:
+                bar.update(state.optimizer_step_attempts - bar.n)
+
     # -- logs -------------------------------------------------------------------------------------
+    def last_log_due(self, state: TrainerState, control: Any) -> bool:
+        """Whether the run ends with this attempt and attempts were made since the last log.
+
+        Then a last training log is due, so that the skip counts and the loss scale of the
+        summary are those the last log (and with it TensorBoard) shows.
+        """
+        if not self.active or self.trainer.args.logging_strategy == IntervalStrategy.NO:
+            return False
+        attempts = getattr(state, "optimizer_step_attempts", state.global_step)
+        budget = self._plan.get("attempt_budget")
+        ending = control.should_training_stop or (budget is not None and attempts >= budget)
+        return bool(ending) and attempts > self._log_attempts
+
     def skipped_since_last_log(self, state: TrainerState) -> int:
         """Updates skipped since the previous training log (the window this log covers)."""
         attempts = getattr(state, "optimizer_step_attempts", state.global_step)
@@ -507,8 +535,9 @@ class StepAccounting:
         attempts = getattr(state, "optimizer_step_attempts", state.global_step)
         if "loss" in logs:
             steps, tried = state.global_step - self._log_step, attempts - self._log_attempts
-            if self.active and 0 < steps < tried:
-                logs["loss"] = logs["loss"] * steps / tried  # stock divided by the steps
+            divided = max(steps, 1)  # stock's divisor (1 for the end's log of skips alone)
+            if self.active and divided < tried:
+                logs["loss"] = logs["loss"] * divided / tried  # stock divided by the steps
             logs["optimizer_step_attempts"] = attempts
             self._log_step, self._log_attempts = state.global_step, attempts
         tried = attempts - self._attempts_at_start
@@ -578,6 +607,7 @@ class _StepAwareCallbackHandler(CallbackHandler):
         if not skipped:
             control = super().on_step_end(args, state, control)
         accounting.step_end(args, state, control, skipped=skipped)
+        accounting.advance_progress_bars(self.callbacks, state)
         return control
 
 

@@ -502,6 +502,12 @@ class AmpTrainerMixin(Trainer):
         """Stock logging, with a forward-overflow step's loss its FP32 re-run's, not stock's 0.0
         (``tr_loss`` is stock's on-device loss sum; see :mod:`amp_trainer.overflow_step_loss`)."""
         self._overflow_step_loss.correct(tr_loss)
+        if self.loss_scaler is not None and self._steps.last_log_due(self.state, self.control):
+            self.control.should_log = True  # the run's last figures in its last log
+            # Stock logs only past the last logged step; attempts skipped since are logged too.
+            self._globalstep_last_logged = min(
+                self._globalstep_last_logged, self.state.global_step - 1
+            )
         super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
         if self._forward_overflow is not None:
             self._overflow_step_loss.remember(tr_loss)

@@ -4,7 +4,8 @@ run's own batches every N steps, its figures in the Trainer's logs."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from amp_trainer.mismatch.meter import (
     measuring,
     scored,
 )
+from amp_trainer.mismatch.objective_clip import token_advantages
 from amp_trainer.numerics import describe_names
 from amp_trainer.precision import PRECISIONS
 
@@ -38,6 +40,8 @@ logger = logging.getLogger(__name__)
 # Forward keywords of a captured training batch that the meter cannot reproduce (the image or
 # embedding inputs of a multimodal or soft-prompt model): such a batch is not measured.
 _TEXT_ONLY = ("pixel_values", "inputs_embeds", "input_features", "input_values")
+# TRL's losses whose clip is PPO's, the rule of objective_clip_rate (its clip_ratio/region_mean).
+_PPO_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def _run_precision(trainer: Any, args: Any) -> str:
@@ -84,9 +88,16 @@ class PrecisionMismatchCallback(TrainerCallback):
         precisions: what to measure; default the run's precision and the alternative one
             (``("fp16", "bf16")`` for an fp16 run, ``("bf16", "fp16")`` for bf16, both for
             fp32), leaving out one the device cannot run (bf16 on a GPU without it).
-        clip_epsilon: the clip range of ``clip_rate``; default the run's ``epsilon`` (GRPO's),
-            else 0.2.
+        clip_epsilon: the clip range of ``clip_rate`` and the lower bound's of
+            ``objective_clip_rate``; default the run's ``epsilon`` (GRPO's), else 0.2.
+        clip_epsilon_high: the upper bound's of ``objective_clip_rate``; default the run's
+            ``epsilon_high`` (TRL's clip-higher), else the lower one.
         batch_size: rows per measuring forward (default: each training forward's batch).
+
+    ``objective_clip_rate`` (the share the clipped objective really clips, by the sign of the
+    advantage) is measured where the step's training inputs carry ``advantages`` (TRL's GRPO):
+    the callback reads them from the ``inputs`` of the trainer's ``compute_loss``, which it
+    wraps while the run trains, and gives each captured forward its rows' advantages.
 
     The figures are the local process's batch (each rank measures its own).
     """
@@ -97,6 +108,7 @@ class PrecisionMismatchCallback(TrainerCallback):
         precisions: Sequence[str] | None = None,
         *,
         clip_epsilon: float | None = None,
+        clip_epsilon_high: float | None = None,
         batch_size: int | None = None,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
@@ -108,18 +120,26 @@ class PrecisionMismatchCallback(TrainerCallback):
         self.clip_epsilon = (
             None if clip_epsilon is None else check_number("clip_epsilon", clip_epsilon, 0.0, 1.0)
         )
+        self.clip_epsilon_high = (
+            None
+            if clip_epsilon_high is None
+            else check_number("clip_epsilon_high", clip_epsilon_high, 0.0, math.inf)
+        )
         self.batch_size = check_batch_size(batch_size)
         #: ``{"step": n, precision: MismatchStats, ...}`` for every measured step.
         self.history: list[dict[str, Any]] = []
         self._trainer: Any = None
         self._handle: Any = None
         self._recording = False
-        self._captured: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        # (input_ids, attention_mask, labels, advantages) of each training forward.
+        self._captured: list[tuple[Any, ...]] = []
+        self._tap: tuple[Any, Any, Any] | None = None  # (trainer, our compute_loss, its own)
         self._pending: dict[str, float] = {}
         self._run: dict[str, Tally] = {}
         self._nonfinite_steps: dict[str, list[int]] = {}
         self._active: tuple[str, ...] = ()
         self._epsilon = 0.2
+        self._epsilon_high = 0.2
         self._temperature = 1.0
         self._warned: set[str] = set()
 
@@ -159,6 +179,12 @@ class PrecisionMismatchCallback(TrainerCallback):
             run_epsilon = getattr(args, "epsilon", None)  # GRPO's (and PPO's) clip range
             epsilon = run_epsilon if isinstance(run_epsilon, float) and 0 < run_epsilon < 1 else 0.2
         self._epsilon = float(epsilon)
+        high = self.clip_epsilon_high
+        if high is None:
+            run_high = getattr(args, "epsilon_high", None)  # TRL's clip-higher
+            high = run_high if isinstance(run_high, (int, float)) and run_high > 0 else epsilon
+        self._epsilon_high = float(high)
+        self._say_what_the_objective_rule_is(args)
         temperature = getattr(args, "temperature", None)
         self._temperature = (
             float(temperature) if isinstance(temperature, (int, float)) and temperature > 0 else 1.0
@@ -169,6 +195,8 @@ class PrecisionMismatchCallback(TrainerCallback):
         self._pending = {}
         self._remove_hook()
         self._handle = model.register_forward_pre_hook(self._capture, with_kwargs=True)
+        self._untap_compute_loss()
+        self._tap_compute_loss(trainer)
         logger.info(
             "Precision mismatch: measuring %s against FP32 every %d step(s) (run: %s)",
             ", ".join(self._active),
@@ -206,8 +234,71 @@ class PrecisionMismatchCallback(TrainerCallback):
                 input_ids,
                 attention_mask if isinstance(attention_mask, torch.Tensor) else None,
                 labels if isinstance(labels, torch.Tensor) else None,
+                None,
             )
         )
+
+    def _say_what_the_objective_rule_is(self, args: Any) -> None:
+        """Once per run where TRL's loss does not clip as PPO does, token by token: the figure
+        keeps PPO's token-level rule, which is then not this run's own clip."""
+        loss_type = getattr(args, "loss_type", None)
+        level = getattr(args, "importance_sampling_level", "token")
+        if loss_type is None or (loss_type in _PPO_CLIPPED_LOSSES and level == "token"):
+            return
+        self._warn_once(
+            "objective",
+            f"objective_clip_rate counts PPO's token-level clip (ratio > 1 + epsilon_high with a "
+            f"positive advantage, < 1 - epsilon with a negative one); this run's loss_type="
+            f"{loss_type!r} with importance_sampling_level={level!r} clips otherwise",
+        )
+
+    def _tap_compute_loss(self, trainer: Any) -> None:
+        """Wrap ``trainer.compute_loss`` (this instance's, until training ends) to read the
+        ``advantages`` of the inputs whose forwards were captured during the call."""
+        own = trainer.__dict__.get("compute_loss")
+        original = trainer.compute_loss
+
+        def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            start = len(self._captured)
+            result = original(model, inputs, *args, **kwargs)
+            if self._recording and isinstance(inputs, Mapping):
+                self._give_advantages(inputs.get("advantages"), start)
+            return result
+
+        trainer.compute_loss = compute_loss
+        self._tap = (trainer, compute_loss, own)
+
+    def _untap_compute_loss(self) -> None:
+        if self._tap is None:
+            return
+        trainer, ours, own = self._tap
+        self._tap = None
+        if trainer.__dict__.get("compute_loss") is ours:
+            if own is None:
+                del trainer.compute_loss
+            else:
+                trainer.compute_loss = own
+
+    def _give_advantages(self, advantages: Any, start: int) -> None:
+        """Split ``advantages`` (one per row of the call's inputs) over the forwards captured
+        since ``start``, in order: TRL's loss runs its rows in chunks, one forward each."""
+        captured = self._captured[start:]
+        if not isinstance(advantages, torch.Tensor) or not captured:
+            return
+        rows = sum(int(entry[0].shape[0]) for entry in captured)
+        if advantages.dim() not in (1, 2) or advantages.shape[0] != rows:
+            self._warn_once(
+                "advantages",
+                f"the inputs' advantages of shape {tuple(advantages.shape)} do not match the "
+                f"{rows} rows of the step's forwards: objective_clip_rate is not measured",
+            )
+            return
+        offset = 0
+        for index, (input_ids, mask, labels, _) in enumerate(captured, start):
+            count = int(input_ids.shape[0])
+            mine, offset = advantages[offset : offset + count], offset + count
+            if mine.dim() == 1 or mine.shape[1] < input_ids.shape[1]:  # else: nothing to align
+                self._captured[index] = (input_ids, mask, labels, mine)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -252,16 +343,18 @@ class PrecisionMismatchCallback(TrainerCallback):
                     where or "no single module",
                 )
 
-    def _measure(self, batches: list[tuple[Any, Any, Any]]) -> dict[str, MismatchStats] | None:
+    def _measure(self, batches: list[tuple[Any, ...]]) -> dict[str, MismatchStats] | None:
         model = self._trainer.model
         device = device_of(model)
         step = {name: Tally() for name in self._active}
         with measuring(model, device):
             keywords = forward_keywords(model)
-            for input_ids, attention_mask, labels in batches:
+            for input_ids, attention_mask, labels, advantages in batches:
                 valid, _ = scored(input_ids, attention_mask, labels)
                 if not bool(valid.any()):
                     continue
+                if advantages is not None:
+                    advantages = token_advantages(advantages, input_ids.shape[1])
                 tallies = measure_batch(
                     model,
                     input_ids,
@@ -273,6 +366,8 @@ class PrecisionMismatchCallback(TrainerCallback):
                     batch_size=self.batch_size,
                     device=device,
                     keywords=keywords,
+                    advantages=advantages,
+                    clip_epsilon_high=self._epsilon_high,
                 )
                 for name, tally in tallies.items():
                     step[name].add(tally)
@@ -280,7 +375,12 @@ class PrecisionMismatchCallback(TrainerCallback):
             return None
         for name, tally in step.items():
             self._run[name].add(tally)
-        return {name: tally.stats(name, self._epsilon) for name, tally in step.items()}
+        return {name: self._stats(name, tally) for name, tally in step.items()}
+
+    def _stats(self, name: str, tally: Tally, *, finite_part: bool = False) -> MismatchStats:
+        return tally.stats(
+            name, self._epsilon, clip_epsilon_high=self._epsilon_high, finite_part=finite_part
+        )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         """Put the pending figures into this log (a training log, not an evaluation's)."""
@@ -293,6 +393,7 @@ class PrecisionMismatchCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._remove_hook()
+        self._untap_compute_loss()
         self._recording = False
         self._captured = []
         if self.history:
@@ -305,7 +406,7 @@ class PrecisionMismatchCallback(TrainerCallback):
         means, the largest difference. A precision non-finite on some steps is flagged
         (``nonfinite``, the modules named) and its figures cover its finite steps."""
         return MismatchReport(
-            (name, tally.stats(name, self._epsilon, finite_part=True))
+            (name, self._stats(name, tally, finite_part=True))
             for name, tally in self._run.items()
             if tally.tokens
         )

@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,7 +20,13 @@ import torch
 from torch import nn
 
 from amp_trainer.forward_overflow import NonFiniteForwardError
-from amp_trainer.numerics import OverflowProbe, describe_module, describe_names
+from amp_trainer.mismatch.objective_clip import (
+    check_advantages,
+    objective_clipped,
+    token_advantages,
+)
+from amp_trainer.mismatch.table import format_mismatch_table
+from amp_trainer.numerics import OverflowProbe, describe_module
 from amp_trainer.precision import PRECISIONS, without_autocast_wrapper
 
 __all__ = [
@@ -53,14 +59,23 @@ class MismatchStats:
         kl: mean over the scored positions of ``KL(p_fp32 || p_prec)`` of the whole next-token
             distribution (nats).
         clip_rate: share of scored tokens whose ratio ``p_prec / p_fp32`` leaves the PPO/GRPO
-            clip range ``[1 - clip_epsilon, 1 + clip_epsilon]``: tokens a clipped objective
-            would treat as off-policy from rounding alone.
+            clip range ``[1 - clip_epsilon, 1 + clip_epsilon]`` on either side, whatever the
+            advantage: tokens a clipped objective would treat as off-policy from rounding alone.
         tokens: how many tokens were scored.
         nonfinite: the precision's logits held inf/NaN at a scored position; the four figures
             are then NaN, not a mean over what was left.
         nonfinite_modules: the first module whose output went inf/NaN from finite inputs, when
             ``nonfinite`` (empty when none could be singled out).
-        clip_epsilon: the ``epsilon`` of ``clip_rate``.
+        clip_epsilon: the ``epsilon`` of ``clip_rate``, and the lower bound's of
+            ``objective_clip_rate``.
+        objective_clip_rate: share of the scored tokens with an advantage that a clipped
+            objective really clips from rounding alone: ratio above ``1 + clip_epsilon_high``
+            with a positive advantage, below ``1 - clip_epsilon`` with a negative one (the rule
+            of TRL's ``clip_ratio/region_mean``; :mod:`amp_trainer.mismatch.objective_clip`).
+            NaN when no advantages were given.
+        objective_tokens: how many scored tokens had an advantage (0: none given).
+        clip_epsilon_high: the upper bound's epsilon of ``objective_clip_rate`` (clip-higher;
+            ``None``: ``clip_epsilon``).
     """
 
     precision: str
@@ -72,16 +87,23 @@ class MismatchStats:
     nonfinite: bool = False
     nonfinite_modules: tuple[str, ...] = ()
     clip_epsilon: float = 0.2
+    objective_clip_rate: float = math.nan
+    objective_tokens: int = 0
+    clip_epsilon_high: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values (NaN figures become ``None`` in JSON writers that say so)."""
         data = asdict(self)
         data["nonfinite_modules"] = list(self.nonfinite_modules)
+        if not self.objective_tokens:
+            data["objective_clip_rate"] = None  # not measured (no advantages), not a NaN result
         return data
 
     def log_items(self) -> dict[str, float]:
-        """``{"mismatch/<precision>/<figure>": value}`` for the Trainer's logs."""
-        return {f"mismatch/{self.precision}/{name}": float(getattr(self, name)) for name in FIGURES}
+        """``{"mismatch/<precision>/<figure>": value}`` for the Trainer's logs, with
+        ``objective_clip_rate`` when advantages were measured."""
+        names = FIGURES + (("objective_clip_rate",) if self.objective_tokens else ())
+        return {f"mismatch/{self.precision}/{name}": float(getattr(self, name)) for name in names}
 
 
 class MismatchReport(dict[str, MismatchStats]):
@@ -229,6 +251,8 @@ class Tally:
         self.kl_sum = 0.0
         self.clipped = 0
         self.tokens = 0
+        self.objective_clipped = 0
+        self.objective_tokens = 0
         self.nonfinite = False
         self.modules: list[str] = []
 
@@ -238,20 +262,30 @@ class Tally:
         self.kl_sum += other.kl_sum
         self.clipped += other.clipped
         self.tokens += other.tokens
+        self.objective_clipped += other.objective_clipped
+        self.objective_tokens += other.objective_tokens
         self.nonfinite = self.nonfinite or other.nonfinite
         self.modules += [name for name in other.modules if name not in self.modules]
 
     def stats(
-        self, precision: str, clip_epsilon: float, *, finite_part: bool = False
+        self,
+        precision: str,
+        clip_epsilon: float,
+        *,
+        clip_epsilon_high: float | None = None,
+        finite_part: bool = False,
     ) -> MismatchStats:
         """The figures; NaN when non-finite, unless ``finite_part`` (a run's summary, whose
         non-finite steps are flagged and counted separately) asks for the rest."""
         blank = self.nonfinite and not finite_part
+        objective = math.nan
         if blank or not self.tokens:
             mean = top = kl = clip = math.nan
         else:
             mean, top = self.abs_sum / self.tokens, self.abs_max
             kl, clip = self.kl_sum / self.tokens, self.clipped / self.tokens
+            if self.objective_tokens:
+                objective = self.objective_clipped / self.objective_tokens
         return MismatchStats(
             precision=precision,
             mean_abs_logprob_diff=mean,
@@ -262,6 +296,9 @@ class Tally:
             nonfinite=self.nonfinite,
             nonfinite_modules=tuple(self.modules),
             clip_epsilon=clip_epsilon,
+            objective_clip_rate=objective,
+            objective_tokens=self.objective_tokens,
+            clip_epsilon_high=clip_epsilon_high,
         )
 
 
@@ -406,8 +443,13 @@ def measure_batch(
     batch_size: int | None,
     device: torch.device,
     keywords: set[str],
+    advantages: torch.Tensor | None = None,
+    clip_epsilon_high: float | None = None,
 ) -> dict[str, Tally]:
-    """Tallies of one batch, ``batch_size`` rows per forward (already inside :func:`measuring`)."""
+    """Tallies of one batch, ``batch_size`` rows per forward (already inside :func:`measuring`).
+
+    ``advantages``: one per scored position, ``(batch, sequence - 1)``, NaN where a token has
+    none (:func:`~amp_trainer.mismatch.objective_clip.token_advantages`)."""
     tallies = {precision: Tally() for precision in precisions}
     device_type = device.type
     input_ids = input_ids.to(device)
@@ -429,6 +471,8 @@ def measure_batch(
         keep = length - first  # positions first..length-1 predict every scored token
         at = cols - first
         tokens = targets[chunk][rows, cols].unsqueeze(-1)
+        token_advantage = None if advantages is None else advantages[chunk][rows, cols].to(device)
+        known = 0 if token_advantage is None else int(torch.isfinite(token_advantage).sum())
         with _precision_context("fp32", device_type):
             reference = _logits(model, ids, attended, keep, keywords)
         if not bool(torch.isfinite(reference[rows, at]).all()):
@@ -460,6 +504,7 @@ def measure_batch(
             if not bool(torch.isfinite(picked).all()):
                 tally.nonfinite = True
                 tally.tokens += int(rows.numel())
+                tally.objective_tokens += known
                 culprit = _first_nonfinite_module(
                     model, precision, device_type, ids, attended, keep, keywords
                 )
@@ -475,6 +520,11 @@ def measure_batch(
             tally.kl_sum += float(kl.sum())
             tally.clipped += int(((delta < low) | (delta > high)).sum())
             tally.tokens += int(rows.numel())
+            if token_advantage is not None:
+                high_epsilon = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
+                clipped = objective_clipped(delta, token_advantage, clip_epsilon, high_epsilon)
+                tally.objective_clipped += int(clipped.sum())
+                tally.objective_tokens += known
     return tallies
 
 
@@ -510,6 +560,8 @@ def measure_precision_mismatch(
     labels: torch.Tensor | None = None,
     temperature: float = 1.0,
     batch_size: int | None = None,
+    advantages: torch.Tensor | None = None,
+    clip_epsilon_high: float | None = None,
 ) -> MismatchReport:
     """How far each precision's token log-probs are from FP32's, on the same model and tokens.
 
@@ -537,6 +589,11 @@ def measure_precision_mismatch(
             temperature (and GRPO's loss) do.
         batch_size: rows per forward (default: the whole batch at once); bounds the memory
             of the logits, which are ``rows x positions x vocabulary``.
+        advantages: the PPO/GRPO advantages of the tokens, for ``objective_clip_rate``:
+            ``(batch,)``, one per row (GRPO's), or ``(batch, T)``, one per token of the last
+            ``T`` positions. Default none: ``objective_clip_rate`` is NaN.
+        clip_epsilon_high: the upper bound's epsilon of ``objective_clip_rate`` (TRL's
+            ``epsilon_high``, clip-higher); default ``clip_epsilon``.
 
     Returns:
         ``{precision: MismatchStats}`` in the order asked for (a :class:`MismatchReport`:
@@ -552,6 +609,12 @@ def measure_precision_mismatch(
         model, precisions, clip_epsilon, temperature, batch_size
     )
     input_ids, attention_mask, labels = _check_tokens(input_ids, attention_mask, labels)
+    advantages = check_advantages(advantages, input_ids)
+    high = (
+        None
+        if clip_epsilon_high is None
+        else check_number("clip_epsilon_high", clip_epsilon_high, 0.0, math.inf)
+    )
     valid, _ = scored(input_ids, attention_mask, labels)
     if not bool(valid.any()):
         raise ValueError(
@@ -571,67 +634,11 @@ def measure_precision_mismatch(
             batch_size=rows,
             device=device,
             keywords=keywords,
+            advantages=None
+            if advantages is None
+            else token_advantages(advantages, input_ids.shape[1]),
+            clip_epsilon_high=high,
         )
-    return MismatchReport((name, tallies[name].stats(name, epsilon)) for name in names)
-
-
-# --------------------------------------------------------------------------------------------
-# reporting
-# --------------------------------------------------------------------------------------------
-def _cell(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.3g}"
-
-
-def format_mismatch_table(
-    stats: Mapping[str, MismatchStats], title: str = "", *, notes: Sequence[str] = ()
-) -> str:
-    """A text table, one row per precision, then the BF16/FP16 ratio and what is non-finite."""
-    epsilon = next(iter(stats.values())).clip_epsilon if stats else 0.2
-    header = (
-        "precision",
-        "tokens",
-        "mean |d logp|",
-        "max |d logp|",
-        "KL(fp32||p)",
-        f"clip rate (eps={epsilon:g})",
+    return MismatchReport(
+        (name, tallies[name].stats(name, epsilon, clip_epsilon_high=high)) for name in names
     )
-    rows = [
-        (
-            name,
-            str(s.tokens),
-            _cell(s.mean_abs_logprob_diff),
-            _cell(s.max_abs_logprob_diff),
-            _cell(s.kl),
-            _cell(s.clip_rate),
-        )
-        for name, s in stats.items()
-    ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
-
-    def line(cells: Sequence[str]) -> str:
-        first = f" {cells[0]:<{widths[0]}} "
-        rest = [f" {cell:>{width}} " for cell, width in zip(cells[1:], widths[1:], strict=True)]
-        return "|" + "|".join([first, *rest]) + "|"
-
-    lines = [title] if title else []
-    lines += [rule, line(header), rule, *(line(row) for row in rows), rule]
-    fp16, bf16 = stats.get("fp16"), stats.get("bf16")
-    if fp16 and bf16 and not (fp16.nonfinite or bf16.nonfinite) and fp16.mean_abs_logprob_diff:
-        ratio = bf16.mean_abs_logprob_diff / fp16.mean_abs_logprob_diff
-        line_text = f"bf16/fp16: {ratio:.3g}x the mean |d logp|"
-        if fp16.kl > 0:
-            line_text += f", {bf16.kl / fp16.kl:.3g}x the KL"
-        lines.append(line_text)
-    for name, s in stats.items():
-        if s.nonfinite:
-            where = describe_names([repr(m) for m in s.nonfinite_modules]) or "no single module"
-            lines.append(
-                f"{name}: non-finite logits (first module to overflow: {where}); keep that module "
-                f"in FP32 (fp32_modules) or use another precision"
-            )
-    lines += list(notes)
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ __all__ = [
     "first_batch",
     "format_table",
     "lora_base_hint",
+    "optimizer_updates",
     "peak_memory",
     "plot_training",
     "summarize_loss_scale",
@@ -58,8 +59,10 @@ class LossScaleSummary:
     checkpoint's ``scaler.pt`` hold, and what a resume starts from. ``last_step_ran_with`` is the
     scale the last optimizer step ran with (``scale_history``'s last entry): the two differ when
     that step grew or backed off the scale. ``minimum``/``maximum`` cover the scales the steps
-    ran with and the final one. ``skipped`` counts every skipped step; ``forward_overflows`` those
-    of them that were forward overflows (the guard's, whose fix is an FP32 island, not the
+    ran with and the final one. ``scaler_updates`` counts the scaler's updates, one per optimizer
+    step attempt, applied or skipped (the scaler's own ``stats.steps``; a Trainer run's
+    ``optimizer_step_attempts``). ``skipped`` counts every skipped attempt; ``forward_overflows``
+    those of them that were forward overflows (the guard's, whose fix is an FP32 island, not the
     scale), and ``fp32_islands`` the modules made islands for them, in order.
     """
 
@@ -67,7 +70,7 @@ class LossScaleSummary:
     last_step_ran_with: float
     minimum: float
     maximum: float
-    steps: int
+    scaler_updates: int
     skipped: int
     forward_overflows: int = 0
     fp32_islands: tuple[str, ...] = ()
@@ -81,8 +84,10 @@ def summarize_loss_scale(
     ``final_scale`` is the scaler's scale now, after the last update
     (``trainer.loss_scaler.get_scale()``): the history records the scale each step *ran with*,
     which is one update behind. The history is compact (events, logging steps and the latest
-    step; every scale change is an entry), so the steps are counted from the first and last
-    entries' step numbers, not the entries.
+    step; every scale change and every skipped attempt is an entry), so the updates are counted
+    from the first and last entries' step numbers and the skipped entries, not the entries: each
+    step number between them had one applied attempt (the last one too, unless its entry is a
+    skip: a skipped attempt leaves its number to the next) and each skipped entry one more.
     """
     if not scale_history:
         return None
@@ -94,16 +99,28 @@ def summarize_loss_scale(
     scales = [float(entry["scale"]) for entry in scale_history]
     final = float(final_scale)
     forward = [entry for entry in scale_history if "fp32_islands" in entry]
+    skipped = sum(bool(entry["skipped"]) for entry in scale_history)
+    numbers = int(scale_history[-1]["step"]) - int(scale_history[0]["step"]) + 1
+    applied = numbers - bool(scale_history[-1]["skipped"])
     return LossScaleSummary(
         final=final,
         last_step_ran_with=scales[-1],
         minimum=min(*scales, final),
         maximum=max(*scales, final),
-        steps=int(scale_history[-1]["step"]) - int(scale_history[0]["step"]) + 1,
-        skipped=sum(bool(entry["skipped"]) for entry in scale_history),
+        scaler_updates=applied + skipped,
+        skipped=skipped,
         forward_overflows=len(forward),
         fp32_islands=tuple(name for entry in forward for name in entry["fp32_islands"]),
     )
+
+
+def optimizer_updates(state: Any) -> dict[str, int]:
+    """``metrics.json``'s ``optimizer_updates``: the updates applied (``global_step``), skipped,
+    and attempted (``optimizer_step_attempts``; a state without the counter counts every
+    attempt as applied)."""
+    applied = int(state.global_step)
+    attempts = int(getattr(state, "optimizer_step_attempts", applied))
+    return {"applied": applied, "skipped": attempts - applied, "attempts": attempts}
 
 
 def describe_optimizer_steps(state: Any) -> str:

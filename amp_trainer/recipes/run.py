@@ -71,6 +71,7 @@ from amp_trainer.recipes.reporting import (
     first_batch,
     format_table,
     lora_base_hint,
+    optimizer_updates,
     peak_memory,
     plot_training,
     summarize_loss_scale,
@@ -410,12 +411,7 @@ class RecipeRun:
             "train": train_result.metrics,
             **results,
             # A skipped update is not a step: global_step counts applied ones.
-            "optimizer_steps": {
-                "applied": trainer.state.global_step,
-                "attempts": getattr(
-                    trainer.state, "optimizer_step_attempts", trainer.state.global_step
-                ),
-            },
+            "optimizer_updates": optimizer_updates(trainer.state),
             "loss_scale": None if scale is None else scale.__dict__,
             # Every underflow check of the run, as logged (grad_underflow, grad_headroom).
             "underflow_checks": [

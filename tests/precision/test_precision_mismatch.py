@@ -24,6 +24,7 @@ from amp_trainer import (
     measure_precision_mismatch,
 )
 from amp_trainer.mismatch import FIGURES
+from amp_trainer.precision import without_autocast_wrapper
 from tests.helpers.tiny_models import (
     COLOURS,
     THINGS,
@@ -324,6 +325,9 @@ def test_amp_trainer_attaches_the_callbacks_it_is_given_and_measures_its_own_pre
 # --------------------------------------------------------------------------------------------
 
 
+GRPO_EPSILON, GRPO_EPSILON_HIGH = 1.5e-5, 3e-5
+
+
 def _says_a_colour(completions: list[str], **kwargs) -> list[float]:
     return [sum(c in text for c in COLOURS) - 0.01 * len(text) for text in completions]
 
@@ -334,6 +338,7 @@ class _TrainingForwards:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.advantages: list[torch.Tensor] = []  # GRPO's, per loss computation
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
@@ -352,7 +357,9 @@ def _grpo_run(tokenizer, output_dir, meter):
         pass
 
     class AmpGRPOTrainer(AmpTrainerMixin, GRPOTrainer):
-        pass
+        def _compute_loss(self, model, inputs):
+            forwards.advantages.append(inputs["advantages"].detach().clone())
+            return super()._compute_loss(model, inputs)
 
     model = make_tiny_gpt2(vocab_size=len(tokenizer), seed=0)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -369,6 +376,10 @@ def _grpo_run(tokenizer, output_dir, meter):
         gradient_checkpointing=False,
         logging_steps=1,
         seed=0,
+        # Bounds FP16 rounding crosses, clip-higher's two apart. One iteration per generation:
+        # GRPO's own ratio is exactly 1, so they change nothing in training.
+        epsilon=GRPO_EPSILON,
+        epsilon_high=GRPO_EPSILON_HIGH,
     )
     trainer = AmpGRPOTrainer(
         model=model,
@@ -426,7 +437,15 @@ def test_grpo_logs_the_functions_figures_for_the_steps_completions(grpo_runs):
     # The last step's training forward, measured again on the final model (the meter measures
     # at the step's end, after the update): the same figures, exactly.
     input_ids, attention_mask, labels = forwards.batches[-1]
-    again = measure_precision_mismatch(trainer.model, input_ids, attention_mask, labels=labels)
+    again = measure_precision_mismatch(
+        trainer.model,
+        input_ids,
+        attention_mask,
+        labels=labels,
+        clip_epsilon=GRPO_EPSILON,
+        clip_epsilon_high=GRPO_EPSILON_HIGH,
+        advantages=forwards.advantages[-1],
+    )
     assert meter.history[-1]["fp16"] == again["fp16"] and meter.history[-1]["bf16"] == again["bf16"]
     assert logs[-1]["mismatch/fp16/mean_abs_logprob_diff"] == again["fp16"].mean_abs_logprob_diff
     # Only the completions are scored: the tokens GRPO's labels mark, never the prompt.
@@ -454,3 +473,42 @@ def test_the_cost_benchmark_prints_the_machine_and_one_ratio_row_per_mode(capsys
         "| every 1 step(s)",
     ]
     assert rows[0].split(" | ")[2] == "1.000x [1.000-1.000]"
+
+
+@pytest.mark.slow
+def test_grpo_logs_the_share_its_clipped_objective_clips_from_the_steps_own_tensors(grpo_runs):
+    (trainer, forwards), _, meter = grpo_runs
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(forwards.batches) == len(forwards.advantages) == 3  # one forward a step
+    # The last step's tokens and GRPO's advantages for them, recorded apart from the meter,
+    # on the final model (the meter measures at the step's end, after the update).
+    input_ids, attention_mask, labels = forwards.batches[-1]
+    advantages = forwards.advantages[-1]
+    model = trainer.model.eval()
+    valid = (labels[:, 1:] != -100) & attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    targets = labels[:, 1:].clamp(min=0).unsqueeze(-1)
+    # Accelerate's prepare left an FP16 autocast wrapper on the model's forward: off here.
+    with torch.no_grad(), without_autocast_wrapper(model):
+        ref = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        with torch.autocast("cpu", dtype=torch.float16):
+            fp16 = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+
+    def logp(logits):
+        return logits.double().log_softmax(-1).gather(-1, targets).squeeze(-1)
+
+    ratio = (logp(fp16) - logp(ref)).exp()[valid]
+    sign = advantages.unsqueeze(1).expand_as(valid)[valid]
+    clipped = ((ratio > 1 + GRPO_EPSILON_HIGH) & (sign > 0)) | (
+        (ratio < 1 - GRPO_EPSILON) & (sign < 0)
+    )
+    share = float(clipped.double().mean())
+    assert (advantages > 0).any() and (advantages < 0).any()
+    assert (
+        0 < share < float(((ratio > 1 + GRPO_EPSILON) | (ratio < 1 - GRPO_EPSILON)).double().mean())
+    )
+    assert logs[-1]["mismatch/fp16/objective_clip_rate"] == share
+    assert meter.history[-1]["fp16"].objective_tokens == int(valid.sum())
+    assert (
+        "mismatch/fp16/objective_clip_rate" in logs[0]
+        and "mismatch/bf16/objective_clip_rate" in logs[0]
+    )

@@ -53,7 +53,8 @@ def test_the_resumed_recipes_loss_scale_summary_covers_the_whole_run(runs):
     _, full, resumed, _, _ = runs
     assert full["loss_scale"]["skipped"] > 0  # the test means something
     assert resumed["loss_scale"] == full["loss_scale"]
-    assert resumed["loss_scale"]["steps"] == 4
+    assert resumed["optimizer_updates"]["applied"] == 4
+    assert resumed["loss_scale"]["scaler_updates"] == resumed["optimizer_updates"]["attempts"]
 
 
 def test_a_flag_the_checkpoint_overrides_is_reported_and_metrics_json_records_what_ran(runs):

@@ -160,5 +160,7 @@ def test_resume_continues_the_compact_history_into_the_uninterrupted_runs(tmp_pa
     assert [e["step"] for e in full.scale_history] == [1, 1, 4, 5, 5, 6]
     assert resumed.scale_history == full.scale_history
     summary = summarize_loss_scale(resumed.scale_history, resumed.loss_scaler.get_scale())
-    assert (summary.steps, summary.skipped, summary.minimum) == (6, 2, 512.0)
+    # 6 applied updates and 2 skipped attempts: 8 updates of the scaler, as it counted them.
+    assert (summary.scaler_updates, summary.skipped, summary.minimum) == (8, 2, 512.0)
+    assert summary.scaler_updates == resumed.loss_scaler.stats.steps
     assert resumed.loss_scaler.state_dict() == full.loss_scaler.state_dict()

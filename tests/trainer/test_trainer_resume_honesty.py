@@ -115,7 +115,11 @@ def test_the_loss_scale_summary_of_a_resumed_run_covers_the_whole_run(full_run, 
     full = full_run[1]
     assert trainer.scale_history == full.scale_history
     summary = summarize_loss_scale(trainer.scale_history, trainer.loss_scaler.get_scale())
-    assert (summary.steps, summary.skipped) == (MAX_STEPS, len(OVERFLOW_STEPS))
+    assert (summary.scaler_updates, summary.skipped) == (
+        MAX_STEPS + len(OVERFLOW_STEPS),
+        len(OVERFLOW_STEPS),
+    )
+    assert summary.scaler_updates == trainer.loss_scaler.stats.steps
 
 
 def test_resuming_the_final_checkpoint_trains_nothing_and_says_so(full_run, tmp_path, caplog):

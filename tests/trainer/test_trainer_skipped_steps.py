@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 
 import pytest
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler, TrainerState
+from transformers.trainer_callback import CallbackHandler, ProgressCallback, TrainerState
 
 import amp_trainer.step_accounting as step_accounting
 from amp_trainer import AmpTrainer
@@ -201,6 +202,68 @@ def test_num_train_epochs_end_when_their_data_is_read_with_one_update_fewer(tmp_
     assert trainer.state.epoch == 1.0
     assert events.saves == [4, 5]  # the end of training saves, after the skipped last attempt
     assert _state_file(tmp_path / "checkpoint-5")["optimizer_step_attempts"] == 6
+
+
+class BarAtTheEnd(TrainerCallback):
+    """transformers' progress bar as training ends (its on_train_end, which closes the bar, runs
+    after the callbacks passed in ``callbacks=``)."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.seen: tuple[int, int] | None = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        (bar,) = [
+            cb.training_bar
+            for cb in self.trainer.callback_handler.callbacks
+            if isinstance(cb, ProgressCallback)
+        ]
+        self.seen = (bar.n, bar.total)
+
+
+@pytest.mark.parametrize(
+    "length, overflow_attempts, expected",
+    [
+        # The epoch holds 6 attempts (24 rows, 4 a batch); two are skipped, the last one too.
+        (dict(max_steps=-1, num_train_epochs=1), {2, 6}, (6, 6)),
+        (dict(max_steps=4), {2, 3}, (4, 4)),  # 4 applied updates, 6 attempts
+    ],
+    ids=["num_train_epochs", "max_steps"],
+)
+def test_the_progress_bar_ends_at_its_total_on_a_run_with_skips(
+    tmp_path, length, overflow_attempts, expected
+):
+    bar = BarAtTheEnd()
+    trainer, _ = _run(tmp_path, overflow_attempts, callbacks=[bar], disable_tqdm=False, **length)
+    bar.trainer = trainer
+    trainer.train()
+
+    assert trainer.loss_scaler.stats.skipped == len(overflow_attempts)
+    assert bar.seen == expected
+
+
+@pytest.mark.parametrize(
+    "length, overflow_attempts",
+    [
+        # Logs at step 5 (attempt 5); attempt 6, the epoch's last, is skipped: no step follows.
+        (dict(max_steps=-1, num_train_epochs=1, logging_steps=5), {6}),
+        # Logs at step 4; attempt 6 is skipped, attempt 7 applies step 6, no logging step.
+        (dict(max_steps=6, logging_steps=4), {6}),
+    ],
+    ids=["skip-last", "skip-then-step"],
+)
+def test_the_last_log_holds_the_runs_final_skip_count_and_loss_scale(
+    tmp_path, length, overflow_attempts
+):
+    trainer, _ = _run(tmp_path, overflow_attempts, **length)
+    trainer.train()
+
+    last = train_logs(trainer)[-1]
+    assert last["skipped_steps"] == trainer.loss_scaler.stats.skipped == 1
+    assert last["step_skipped"] == 1
+    assert last["loss_scale"] == trainer.loss_scaler.get_scale()
+    assert last["optimizer_step_attempts"] == trainer.state.optimizer_step_attempts
+    assert math.isfinite(last["loss"])
 
 
 def test_trainer_state_json_holds_the_attempts_and_the_batch_position(tmp_path):

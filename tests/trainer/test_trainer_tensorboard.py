@@ -11,7 +11,7 @@ import torch
 
 from amp_trainer import AmpTrainer
 from tests.helpers.tiny_models import make_tiny_bert
-from tests.helpers.training import tiny_training_args
+from tests.helpers.training import InjectOverflow, tiny_training_args
 
 pytest.importorskip("tensorboard")
 
@@ -54,3 +54,26 @@ def test_curves_logged_before_and_during_training_are_all_under_output_dir(tmp_p
     assert [v for _, v in scalars["train/loss_scale"]] == [h["loss_scale"] for h in logged]
     assert [s for s, _ in scalars["train/grad_underflow"]] == [1]
     assert len(scalars["eval/loss"]) == 2  # before and after training, in the same place
+
+
+def test_a_skip_after_the_last_logging_step_reaches_tensorboard(tmp_path, monkeypatch):
+    # 16 rows in batches of 4: one epoch of 4 attempts, logged every 3 steps; the last attempt
+    # is skipped, after the last logging step: the run's last log, at its end, carries it.
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    out = tmp_path / "out"
+    args = tiny_training_args(
+        out, report_to="tensorboard", max_steps=-1, num_train_epochs=1, logging_steps=3
+    )
+    model = make_tiny_bert()
+    trainer = AmpTrainer(
+        model=model,
+        args=args,
+        train_dataset=_Pairs(),
+        callbacks=[InjectOverflow(model.classifier.weight, {4})],
+    )
+    trainer.train()
+
+    skipped = _scalars(out / "runs")["train/skipped_steps"]
+    assert trainer.loss_scaler.stats.skipped == 1
+    assert [value for _, value in skipped] == [0.0, 1.0]
+    assert skipped[-1][0] == trainer.state.global_step == 3
