@@ -192,7 +192,7 @@ def test_a_clean_loop_sees_no_drift_and_is_bit_identical_with_the_guard_off():
 
 
 def test_off_installs_nothing_and_the_last_guard_closed_puts_torchs_apply_back():
-    from amp_trainer.precision_guard import _TRACKER
+    from amp_trainer.precision_guard.tracking import TRACKER as _TRACKER
 
     for left_open in list(_TRACKER.guards):  # by the tests above that raised mid-loop
         left_open.close()

@@ -1,53 +1,8 @@
-"""The precision guard: no silent dtype drift of what a mixed-precision run rests on.
-
-A mixed-precision run is only as good as a few invariants set up at its start: the weights the
-optimizer updates (master weights) and its state stay FP32; gradients reach the optimizer in FP32;
-FP32 islands stay islands; FP16 forwards go with a loss scaler and a loss scaler with FP16
-forwards; an FSDP2 ``MixedPrecisionPolicy`` stays what it was. Each can be broken later, by code
-that never says so: a generation helper that casts the policy with ``model.to(torch.float16)``
-and never back (TRL's continuous batching), a callback's ``model.half()`` for a quick
-evaluation, an FP16 ``torch.autocast`` with no scaler (gradients flush to zero, no error). The
-run then trains at a lower precision than it was set up for, or dies much later with a message
-about something else.
-
-:class:`PrecisionGuard` watches those invariants. It checks them before every optimizer step
-(a step pre-hook on the optimizer, and the loss scaler's own call before it unscales, where FP16
-gradients would otherwise be refused with a message that names no cause), and before a training
-forward after a cast it saw. A *drift* is a change from the state at the start: a model loaded in
-bf16 on purpose for pure-BF16 training is not one; the same model turning bf16 mid-run is. Moving
-to a higher precision (FP16 to FP32) loses nothing and becomes the new expectation.
-
-What it does with a drift is the ``mode``:
-
-* ``"raise"`` (default): :class:`PrecisionDriftError` before the step that would lose precision,
-  naming the tensors, the dtype seen and expected, and the call site that changed them where a
-  ``Module.to()``/``.half()``/``.bfloat16()`` did it (the guard sees ``nn.Module._apply``);
-* ``"repair"``: put the expected dtypes back and go on, one warning per cause;
-* ``"warn"``: one warning per cause, nothing changed;
-* ``"off"``: no check at all.
-
-One cast is undone in every mode but ``"off"`` without an error: a cast of the trained parameters
-made under ``torch.no_grad()`` (a generation or an evaluation). The guard keeps the FP32 tensors
-the cast replaced and puts them back, bit for bit, before the next training forward or optimizer
-step: nothing was lost, so nothing needs stopping (one warning names the call site).
-
-Example (any loop; :class:`~amp_trainer.scaler.DynamicLossScaler.watch` with a model builds one,
-``AmpTrainer`` and ``AmpAccelerator`` build their own)::
-
-    guard = PrecisionGuard(model, scaler=scaler).watch_optimizer(optimizer)
-    ...                                     # train as usual: the step pre-hook checks
-    guard.close()                           # at the end: hooks removed
-
-Cost: one pass over the optimizer's parameters (and their state) per step, no device sync; the
-``benchmarks/precision_guard.py`` script measures it side by side.
-"""
+"""The guard itself: what a run set up, the check before each step, and acting on a drift."""
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -57,103 +12,18 @@ import torch
 from torch import nn
 
 from amp_trainer.islands import is_fp32_island
-from amp_trainer.numerics import describe_names
+from amp_trainer.precision_guard.drift import (
+    Drift,
+    PrecisionDriftError,
+    check_guard_mode,
+    dtype_name,
+    lower_precision,
+)
+from amp_trainer.precision_guard.tracking import TRACKER, Cast, ForwardWatch
 
-__all__ = [
-    "GUARD_MODES",
-    "Drift",
-    "PrecisionDriftError",
-    "PrecisionGuard",
-    "check_guard_mode",
-    "guard_for",
-    "guard_run",
-]
+__all__ = ["PrecisionGuard", "guard_for", "guard_run"]
 
-logger = logging.getLogger(__name__)
-
-#: What a drift does (see the module docstring).
-GUARD_MODES = ("raise", "repair", "warn", "off")
-
-# Higher is more precise; 16-bit types are equal in rank, so fp16 <-> bf16 is a drift both ways.
-_RANK = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_THIS_FILE = os.path.abspath(__file__)
-
-
-def check_guard_mode(mode: Any) -> str:
-    """``mode`` if it is one of :data:`GUARD_MODES`, else a ``ValueError`` naming them."""
-    if mode not in GUARD_MODES:
-        raise ValueError(f"precision_guard must be one of {GUARD_MODES}, got {mode!r}")
-    return mode
-
-
-class PrecisionDriftError(RuntimeError):
-    """A tensor the run's precision rests on changed dtype; ``drifts`` lists what was seen."""
-
-    def __init__(self, message: str, drifts: tuple[Drift, ...] = ()) -> None:
-        super().__init__(message)
-        self.drifts = drifts
-
-
-@dataclass(frozen=True)
-class Drift:
-    """One broken invariant: what (``kind``), which tensors, seen vs expected, and who did it."""
-
-    kind: str
-    tensors: tuple[str, ...]
-    seen: str
-    expected: str
-    site: str | None = None
-
-    def describe(self) -> str:
-        names = describe_names(list(self.tensors))
-        if self.kind == "FP32 islands":
-            return f"{len(self.tensors)} FP32 island(s) {names} no longer compute in FP32"
-        if self.kind == "training forwards":
-            return f"training forwards ran {self.seen}; expected {self.expected}"
-        if self.kind == "FSDP2 MixedPrecisionPolicy":
-            policy = f"the FSDP2 MixedPrecisionPolicy of {names}"
-            return f"{policy} is {self.seen}, set up as {self.expected}"
-        by = f", changed by {self.site}" if self.site else ""
-        verb = "are" if len(self.tensors) != 1 else "is"
-        return (
-            f"{self.kind} of {len(self.tensors)} tensor(s) {names} {verb} {self.seen}, "
-            f"expected {self.expected}{by}"
-        )
-
-
-def _lower(seen: torch.dtype, expected: torch.dtype) -> bool:
-    """Whether ``seen`` holds less than ``expected`` (a drift), for floating dtypes."""
-    if seen is expected:
-        return False
-    return _RANK.get(seen, 0) <= _RANK.get(expected, 0)
-
-
-# The conversion methods themselves (torch's, and the overrides of transformers, PEFT, ...):
-# the call site is whoever called them.
-_CONVERSIONS = frozenset(("to", "half", "float", "bfloat16", "double", "type", "cuda", "_apply"))
-
-
-def _call_site() -> str:
-    """The first frame outside torch, this module and the conversion methods: who called
-    ``.to()``/``.half()``."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        inside = path.startswith(_TORCH_DIR) or path == _THIS_FILE
-        if not inside and frame.f_code.co_name not in _CONVERSIONS:
-            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "an unknown caller"
-
-
-@dataclass
-class _Cast:
-    """What a watched ``Module._apply`` did to one parameter."""
-
-    site: str
-    kept: torch.Tensor | None  # the tensor it replaced (the exact FP32 values), while held
-    under_no_grad: bool
+logger = logging.getLogger("amp_trainer.precision_guard")
 
 
 @dataclass
@@ -168,86 +38,6 @@ class _Plan:
 
 def _count(optimizer: torch.optim.Optimizer) -> int:
     return sum(len(group["params"]) for group in optimizer.param_groups)
-
-
-class _ApplyTracker:
-    """``nn.Module._apply`` (what ``.to()``, ``.half()``, ``.float()``, ``.cuda()`` call), seen.
-
-    Patched into ``nn.Module`` while at least one guard is open, never at import, and put back
-    when the last one closes. Only the outermost call of a recursion looks at dtypes, so a cast
-    of a whole model costs one pass over its parameters before and after.
-    """
-
-    def __init__(self) -> None:
-        self.guards: weakref.WeakSet[PrecisionGuard] = weakref.WeakSet()
-        self.torch_apply: Any = None
-        self.installed = False
-        self.local = threading.local()
-        self.lock = threading.Lock()
-
-    def add(self, guard: PrecisionGuard) -> None:
-        with self.lock:
-            self.guards.add(guard)
-            if not self.installed:
-                if self.torch_apply is None:
-                    self.torch_apply = nn.Module._apply
-                tracker = self
-
-                def _apply(module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
-                    return tracker.apply(module, fn, args, kwargs)
-
-                nn.Module._apply = _apply  # type: ignore[method-assign]
-                self.installed = True
-
-    def discard(self, guard: PrecisionGuard) -> None:
-        with self.lock:
-            self.guards.discard(guard)
-            if not self.guards and self.installed:
-                nn.Module._apply = self.torch_apply  # type: ignore[method-assign]
-                self.installed = False
-
-    def apply(self, module: nn.Module, fn: Any, args: Any, kwargs: Any) -> Any:
-        if getattr(self.local, "depth", 0) or not self.guards:
-            return self.torch_apply(module, fn, *args, **kwargs)
-        before = [(g, g.watched_in(module)) for g in list(self.guards)]
-        before = [(g, params) for g, params in before if params]
-        self.local.depth = 1
-        try:
-            result = self.torch_apply(module, fn, *args, **kwargs)
-        finally:
-            self.local.depth = 0
-        if before:
-            site, no_grad = _call_site(), not torch.is_grad_enabled()
-            for guard, params in before:
-                guard.saw_apply(params, site, no_grad)
-        return result
-
-
-_TRACKER = _ApplyTracker()
-
-
-class _ForwardWatch:
-    """The guard's forward pre-hook: a weak reference, so a model that is copied, pickled or
-    saved whole carries a hook that does nothing rather than the guard and its run."""
-
-    def __init__(self, guard: PrecisionGuard) -> None:
-        self.guard: Any = weakref.ref(guard)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        guard = self.guard()
-        if guard is not None and not guard.closed:
-            guard.before_forward(module)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.guard = lambda: None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _ForwardWatch:
-        copy = _ForwardWatch.__new__(_ForwardWatch)
-        copy.guard = lambda: None
-        return copy
 
 
 class PrecisionGuard:
@@ -274,7 +64,7 @@ class PrecisionGuard:
         self.scaler = scaler
         self._names: dict[int, str] = {}
         self._expected: dict[int, torch.dtype] = {}
-        self._casts: dict[int, _Cast] = {}
+        self._casts: dict[int, Cast] = {}
         self._kept_buffers: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor, bool]] = {}
         self._state_dtypes: dict[tuple[int, str], torch.dtype] = {}
         self._plan: _Plan | None = None
@@ -291,7 +81,7 @@ class PrecisionGuard:
         if self.closed:
             return
         self.refresh()
-        _TRACKER.add(self)
+        TRACKER.add(self)
 
     # -- what the run set up -------------------------------------------------------------------
     def refresh(self) -> None:
@@ -317,7 +107,7 @@ class PrecisionGuard:
             model = self.model
             first = next((m for m in model.modules() if m is not model and m._parameters), None)
             if first is not None:
-                self._hooks.append(first.register_forward_pre_hook(_ForwardWatch(self)))
+                self._hooks.append(first.register_forward_pre_hook(ForwardWatch(self)))
 
     def watch_optimizer(
         self, optimizer: torch.optim.Optimizer, *, only_own: bool = False
@@ -348,7 +138,7 @@ class PrecisionGuard:
         self._casts.clear()
         self._kept_buffers.clear()
         self.closed = True
-        _TRACKER.discard(self)
+        TRACKER.discard(self)
 
     # -- what the tracker and the hooks tell it ------------------------------------------------
     def watched_in(self, module: nn.Module) -> list[tuple[Any, str | None, torch.Tensor]]:
@@ -377,17 +167,19 @@ class PrecisionGuard:
         for owner, key, old in watched:
             if key is not None:  # a buffer
                 now = owner._buffers.get(key)
-                if now is not None and _lower(now.dtype, old.dtype):
+                if now is not None and lower_precision(now.dtype, old.dtype):
                     self._kept_buffers.setdefault((id(owner), key), (owner, key, old, no_grad))
                 continue
             param = owner
-            if param.dtype is old.dtype or not _lower(param.dtype, self._expected[id(param)]):
+            if param.dtype is old.dtype or not lower_precision(
+                param.dtype, self._expected[id(param)]
+            ):
                 continue
             earlier = self._casts.get(id(param))
             kept = earlier.kept if earlier is not None else old
             if kept is not None and kept.dtype is not self._expected[id(param)]:
                 kept = None
-            self._casts[id(param)] = _Cast(site, kept, no_grad)
+            self._casts[id(param)] = Cast(site, kept, no_grad)
 
     def before_forward(self, module: nn.Module) -> None:
         """A forward of the watched module: note its autocast; undo casts before training."""
@@ -502,7 +294,7 @@ class PrecisionGuard:
         elif (
             expected is not None
             and param.dtype is not expected
-            and not _lower(param.dtype, expected)
+            and not lower_precision(param.dtype, expected)
         ):
             self._expected[id(param)] = expected = param.dtype  # higher precision: kept
         return expected
@@ -516,7 +308,7 @@ class PrecisionGuard:
                 key = (param.dtype, expected, cast.site if cast else None)
                 found.setdefault(key, []).append(name)
         return [
-            Drift("master weights", tuple(n), _dt(seen), _dt(exp), site)
+            Drift("master weights", tuple(n), dtype_name(seen), dtype_name(exp), site)
             for (seen, exp, site), n in found.items()
         ]
 
@@ -524,9 +316,12 @@ class PrecisionGuard:
         found: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
         for name, param in params:
             grad, expected = param.grad, self._expected.get(id(param))
-            if grad is not None and expected is not None and _lower(grad.dtype, expected):
+            if grad is not None and expected is not None and lower_precision(grad.dtype, expected):
                 found.setdefault((grad.dtype, expected), []).append(name)
-        return [Drift("gradients", tuple(n), _dt(s), _dt(e)) for (s, e), n in found.items()]
+        return [
+            Drift("gradients", tuple(n), dtype_name(s), dtype_name(e))
+            for (s, e), n in found.items()
+        ]
 
     def _optimizer_state_drifts(self) -> list[Drift]:
         """Moment-like state (the parameter's shape) lower than it was first seen: an optimizer
@@ -535,12 +330,15 @@ class PrecisionGuard:
         first = self._state_dtypes
         for param, key, value in self._moment_states():
             expected = first.setdefault((id(param), key), value.dtype)
-            if _lower(value.dtype, expected):
+            if lower_precision(value.dtype, expected):
                 name = self._names.get(id(param), "?")
                 found.setdefault((value.dtype, expected), []).append(f"{name}:{key}")
             elif value.dtype is not expected:
                 first[(id(param), key)] = value.dtype
-        return [Drift("optimizer state", tuple(n), _dt(s), _dt(e)) for (s, e), n in found.items()]
+        return [
+            Drift("optimizer state", tuple(n), dtype_name(s), dtype_name(e))
+            for (s, e), n in found.items()
+        ]
 
     def _moment_states(self) -> Iterator[tuple[torch.Tensor, str, torch.Tensor]]:
         for ref in self._optimizers:
@@ -626,7 +424,7 @@ class PrecisionGuard:
             self._say_once(
                 ("undone", cast.site),
                 f"{cast.site} cast trained parameters (e.g. {name}) to a lower precision {how}; "
-                f"their {_dt(expected)} values were kept and are back "
+                f"their {dtype_name(expected)} values were kept and are back "
                 f"{'bit for bit' if cast.kept is not None else '(rounded once)'}.",
             )
 
@@ -635,7 +433,7 @@ class PrecisionGuard:
             if only_no_grad and not no_grad:
                 continue
             now = holder._buffers.get(key)
-            if now is not None and now.shape == old.shape and _lower(now.dtype, old.dtype):
+            if now is not None and now.shape == old.shape and lower_precision(now.dtype, old.dtype):
                 holder._buffers[key] = old.to(now.device)
             del self._kept_buffers[where]
 
@@ -674,17 +472,21 @@ class PrecisionGuard:
             for _, param in trainable:
                 expected = self._expected.get(id(param))
                 if expected is not None and param.dtype is not expected:
-                    self._casts.setdefault(id(param), _Cast("an assignment to .data", None, False))
+                    self._casts.setdefault(id(param), Cast("an assignment to .data", None, False))
             self._undo_casts(only_no_grad=False)  # the weights, and their gradients with them
             for _, param in trainable:
                 expected, grad = self._expected.get(id(param)), param.grad
-                if expected is not None and grad is not None and _lower(grad.dtype, expected):
+                if (
+                    expected is not None
+                    and grad is not None
+                    and lower_precision(grad.dtype, expected)
+                ):
                     param.grad = grad.to(expected)
             done.append("master weights and gradients")
         if "optimizer state" in kinds:
             for param, key, value in list(self._moment_states()):
                 expected = self._state_dtypes[(id(param), key)]
-                if _lower(value.dtype, expected):
+                if lower_precision(value.dtype, expected):
                     self._optimizers_state_of(param)[key] = value.to(expected)
             done.append("optimizer state")
         if "FP32 islands" in kinds:
@@ -751,10 +553,6 @@ def guard_run(
         scaler.precision_guard = guard
         scaler.precision_guard_off = guard is None  # watch(model) builds none after this
     return guard
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
