@@ -177,6 +177,16 @@ class AmpTrainingArguments(TrainingArguments):
             "on. Either way no fp32 island is added for it."
         },
     )
+    checkpoint_digests: bool = field(
+        default=True,
+        metadata={
+            "help": "Record the size and SHA-256 of every file of each checkpoint "
+            "(checkpoint-digests.json, written last) and compare them before a resume or the "
+            "best-model load reads any file: a truncated or changed file is one error naming "
+            "it, and resume_from_checkpoint=True passes a damaged checkpoint over. False: "
+            "neither written nor checked."
+        },
+    )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Note the fp16/bf16 flags a subclass instance was built with, before any __post_init__.
