@@ -23,9 +23,11 @@ without running anything, before it is read for real; a damaged or unsafe file i
   paths, whose storage files lie inside the folder, and whose non-tensor entries
   ``torch.load(weights_only=True)`` reads.
 
-What is not checked: the model's weights (safetensors, or tensor data, which hold no code) and
-Accelerate's ``custom_checkpoint_*.pkl`` (the user's own registered objects, which Accelerate
-loads with ``weights_only=False`` by design).
+Before all of that, every file is compared with the checkpoint's digest list
+(:mod:`~amp_trainer.checkpointing.digests`), which also covers what the checks above do not
+read: the model's weights (safetensors, or tensor data, which hold no code). Not checked either
+way: Accelerate's ``custom_checkpoint_*.pkl`` (the user's own registered objects, which
+Accelerate loads with ``weights_only=False`` by design).
 """
 
 from __future__ import annotations
