@@ -17,7 +17,10 @@ the checkpoint from the page cache it was just written to.
 
 What the digests guard: bytes changed or lost after the save (a disk, a copy, a transfer, a
 partial sync). Not a deliberate change: whoever can rewrite a file can rewrite the list too.
-Files added to the folder after the save are not listed and not checked. A checkpoint without
+Files added to the folder after the save are not listed and not checked. A listed file that is
+gone is left to the checks that say what its absence costs (a rank's shard or RNG state:
+:mod:`~amp_trainer.checkpointing.completeness`; the optimizer, scheduler or scaler state: the
+resume's warning), as before: deleting ``scaler.pt`` to start the loss scaler afresh still works. A checkpoint without
 the list (saved by an older version, or with ``checkpoint_digests=False``) resumes unchecked.
 """
 
@@ -110,8 +113,10 @@ def _mismatch(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
     """What is wrong with listed file ``name`` (``None``: it matches its entry)."""
     path = folder / name
     size, digest = entry["size"], entry[ALGORITHM]
-    if ".." in Path(name).parts or not path.is_file():
-        return f"{path}: expected {size} bytes, found no file"
+    if ".." in Path(name).parts:
+        return f"{folder / DIGEST_FILE} lists {name}, outside its folder"
+    if not path.is_file():
+        return None  # a missing file is named by the checks that know what it costs
     found = path.stat().st_size
     if found != size:
         kind = "truncated" if found < size else "longer than saved"
