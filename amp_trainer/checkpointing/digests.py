@@ -20,8 +20,9 @@ partial sync). Not a deliberate change: whoever can rewrite a file can rewrite t
 Files added to the folder after the save are not listed and not checked. A listed file that is
 gone is left to the checks that say what its absence costs (a rank's shard or RNG state:
 :mod:`~amp_trainer.checkpointing.completeness`; the optimizer, scheduler or scaler state: the
-resume's warning), as before: deleting ``scaler.pt`` to start the loss scaler afresh still works. A checkpoint without
-the list (saved by an older version, or with ``checkpoint_digests=False``) resumes unchecked.
+resume's warning), so that deleting ``scaler.pt`` starts the loss scaler afresh, said in a
+warning. A checkpoint without the list (saved by an older version, or with
+``checkpoint_digests=False``) resumes unchecked.
 """
 
 from __future__ import annotations

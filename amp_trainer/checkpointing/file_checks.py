@@ -292,7 +292,7 @@ def check_resume_files(
     First, with ``digests``, every file against the checkpoint's
     :data:`~amp_trainer.checkpointing.digests.DIGEST_FILE` (``digests_checked``: already
     compared by the caller), so that damaged bytes are named as damage before any reader sees
-    them; a checkpoint without the list is said in one INFO line and checked as before.
+    them; a checkpoint without the list is said in one INFO line and gets the checks below.
     """
     folder = Path(checkpoint)
     if not folder.is_dir():
