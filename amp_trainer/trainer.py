@@ -390,7 +390,10 @@ class AmpTrainerMixin(Trainer):
         # load_best_model_at_end reads the folder trainer_state.json names (under FSDP through
         # DCP's plain pickle.load): checked as a resumed folder is, refused outside output_dir.
         check_best_model_checkpoint(
-            self.state.best_model_checkpoint, self.args.output_dir, "trainer_state.json"
+            self.state.best_model_checkpoint,
+            self.args.output_dir,
+            "trainer_state.json",
+            digests=getattr(self.args, "checkpoint_digests", True),
         )
         super()._load_best_model()
 

@@ -178,6 +178,16 @@ class AmpTrainingArguments(TrainingArguments):
             "on. Either way no fp32 island is added for it."
         },
     )
+    checkpoint_digests: bool = field(
+        default=True,
+        metadata={
+            "help": "Record the size and SHA-256 of every file of each checkpoint "
+            "(checkpoint-digests.json, written last) and compare them before a resume or the "
+            "best-model load reads any file: a truncated or changed file is one error naming "
+            "it, and resume_from_checkpoint=True passes a damaged checkpoint over. False: "
+            "neither written nor checked."
+        },
+    )
 
     precision_guard: Literal["raise", "repair", "warn", "off"] = field(
         default="raise",

@@ -17,6 +17,10 @@ Stock ``Trainer`` saves ``scaler.pt`` (which holds our scaler's whole state) and
   (all of them when the checkpoint resumed is another folder's), and another run's
   ``checkpoint-N`` of the step being saved is moved to ``previous-run-checkpoints/``, not
   overwritten;
+* every checkpoint records the size and digest of each of its files, and a resume compares
+  them first: a file that differs (truncated, flipped bytes) is one ``ValueError`` naming it,
+  what was expected and found; ``resume_from_checkpoint=True`` passes a damaged checkpoint
+  over with a warning naming it (``checkpoint_digests=False`` turns both off);
 * a damaged or unsafe file in the checkpoint resumed (truncated JSON, a torch file that is not
   plain data, an FSDP ``.metadata`` pickle naming other classes) is one ``ValueError`` naming it,
   before anything reads it;
@@ -39,6 +43,8 @@ its own module:
   recipes apply;
 - :mod:`~amp_trainer.checkpointing.resume`: resume auditing (:class:`ResumeAudit`: a finished
   run, missing or foreign state, the scaler's state and the arguments it overrides);
+- :mod:`~amp_trainer.checkpointing.digests`: the digest of every file a checkpoint holds,
+  written when it is saved and compared before it is resumed;
 - :mod:`~amp_trainer.checkpointing.file_checks`: a checkpoint's files read safely before
   resuming (a damaged file named, no pickled code run, FSDP's sharded folders included);
 - :mod:`~amp_trainer.checkpointing.saving`: saving (:class:`CheckpointSaver`: the amp state,
@@ -60,7 +66,7 @@ from amp_trainer.checkpointing.callbacks import take_over_jit_checkpoint
 from amp_trainer.checkpointing.file_checks import check_best_model_checkpoint, check_resume_files
 from amp_trainer.checkpointing.layout import AMP_STATE_FILE, TRAINER_STATE_FILE
 from amp_trainer.checkpointing.resume import ResumeAudit
-from amp_trainer.checkpointing.saving import CheckpointSaver
+from amp_trainer.checkpointing.saving import CheckpointSaver, checkpoint_digests
 
 __all__ = ["AMP_STATE_FILE", "CheckpointKeeper"]
 
@@ -100,13 +106,15 @@ class CheckpointKeeper:
         """
         checkpoint = self.resume.resolve(resume_from_checkpoint)
         if isinstance(checkpoint, (str, os.PathLike)):
-            check_resume_files(checkpoint)
+            digests = checkpoint_digests(self.trainer.args)
+            checked = self.resume.digests_checked == checkpoint
+            check_resume_files(checkpoint, digests=digests, digests_checked=checked)
             if self.trainer.args.load_best_model_at_end:
                 state_file = Path(checkpoint) / TRAINER_STATE_FILE
                 if state_file.is_file():
                     named = json.loads(state_file.read_text("utf-8")).get("best_model_checkpoint")
                     output_dir = self.trainer.args.output_dir
-                    check_best_model_checkpoint(named, output_dir, str(state_file))
+                    check_best_model_checkpoint(named, output_dir, str(state_file), digests=digests)
         self.saver.remember_start(checkpoint)
         return checkpoint
 

@@ -6,7 +6,9 @@ whatever it holds, so a resumed run dies on a missing ``trainer_state.json`` (ev
 ``FileNotFoundError``), or, worse, resumes a checkpoint where one rank's RNG state is missing and
 silently trains on other data order and dropout masks. The recipes' ``--resume_from_checkpoint``
 and :class:`~amp_trainer.trainer.AmpTrainerMixin`'s ``resume_from_checkpoint=True`` both pick the
-last checkpoint :func:`why_incomplete` accepts, with one warning naming what each skipped one lacks.
+last checkpoint :func:`why_incomplete` accepts, with one warning naming what each skipped one lacks,
+and pass over a complete one whose files differ from their recorded digests
+(:mod:`~amp_trainer.checkpointing.digests`), with one warning naming the file.
 
 A folder is complete when it holds ``trainer_state.json``, no :data:`INCOMPLETE_MARKER` (written
 before a save's files and removed once every rank wrote its part; transformers' SIGTERM save uses
@@ -25,7 +27,9 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from amp_trainer.checkpointing.digests import why_damaged
 from amp_trainer.checkpointing.layout import (
+    INCOMPLETE_MARKER,
     TRAINER_STATE_FILE,
     checkpoint_run,
     checkpoint_step,
@@ -40,10 +44,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Present while a checkpoint is being written (by :class:`CheckpointSaver` and by
-#: transformers' SIGTERM save, 5.0 to 5.24): a folder that holds it was stopped mid-save.
-INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
 
 _RNG = re.compile(r"rng_state_(\d+)\.pth")
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp")
@@ -101,12 +101,20 @@ def why_incomplete(folder: str | os.PathLike[str]) -> str | None:
     return "; ".join(reasons) or None
 
 
-def last_complete_checkpoint(folder: str | os.PathLike[str], *, warn: bool = True) -> str | None:
+def last_complete_checkpoint(
+    folder: str | os.PathLike[str],
+    *,
+    warn: bool = True,
+    digests: bool = True,
+    before: int | None = None,
+) -> str | None:
     """The highest-numbered complete ``checkpoint-N`` of the run started last in ``folder``
-    (``None``: there is none).
+    (``None``: there is none); with ``before``, the highest below step ``before``.
 
     Each newer one skipped is named in a warning (unless ``warn`` is false), with what it lacks
-    and the one taken instead. Only the run started last counts (see :func:`_earlier_runs`): after
+    and the one taken instead. With ``digests``, a complete one whose files differ from its
+    :data:`~amp_trainer.checkpointing.digests.DIGEST_FILE` is damaged and skipped the same way
+    (naming the file). Only the run started last counts (see :func:`_earlier_runs`): after
     ``--reuse_output_dir true``, the previous run's higher steps are not this run's to resume.
     """
     folder = Path(folder)
@@ -116,18 +124,24 @@ def last_complete_checkpoint(folder: str | os.PathLike[str], *, warn: bool = Tru
         (
             (step, path)
             for path in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
-            if path.is_dir() and (step := checkpoint_step(path)) is not None
+            if path.is_dir()
+            and (step := checkpoint_step(path)) is not None
+            and (before is None or step < before)
         ),
         reverse=True,
     )
     reasons = {path: why_incomplete(path) for _, path in steps}
     others = _earlier_runs([path for path, reason in reasons.items() if reason is None])
     skipped: list[tuple[Path, str]] = []
+    damaged: list[tuple[Path, str]] = []
     found: str | None = None
     for _, path in steps:
         if path in others:
             continue
         reason = reasons[path]
+        if reason is None and digests and (damage := why_damaged(path)) is not None:
+            damaged.append((path, damage))
+            continue
         if reason is None:
             found = str(path)
             break
@@ -139,6 +153,9 @@ def last_complete_checkpoint(folder: str | os.PathLike[str], *, warn: bool = Tru
             ", ".join(sorted(p.name for p in others)),
             Path(found).name,
         )
+    instead = f"the last intact one is {found}" if found else "no intact one is left"
+    for path, reason in damaged if warn else ():
+        logger.warning("%s is damaged (%s): skipped; %s", path, reason, instead)
     for path, reason in skipped if warn else ():
         logger.warning(
             "%s is incomplete (%s; interrupted while saving?): skipped; %s",

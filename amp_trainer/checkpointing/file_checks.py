@@ -23,9 +23,11 @@ without running anything, before it is read for real; a damaged or unsafe file i
   paths, whose storage files lie inside the folder, and whose non-tensor entries
   ``torch.load(weights_only=True)`` reads.
 
-What is not checked: the model's weights (safetensors, or tensor data, which hold no code) and
-Accelerate's ``custom_checkpoint_*.pkl`` (the user's own registered objects, which Accelerate
-loads with ``weights_only=False`` by design).
+Before all of that, every file is compared with the checkpoint's digest list
+(:mod:`~amp_trainer.checkpointing.digests`), which also covers what the checks above do not
+read: the model's weights (safetensors, or tensor data, which hold no code). Not checked either
+way: Accelerate's ``custom_checkpoint_*.pkl`` (the user's own registered objects, which
+Accelerate loads with ``weights_only=False`` by design).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import pickle
 import zipfile
 from collections.abc import Iterator
@@ -42,9 +45,13 @@ from typing import Any
 import torch
 
 from amp_trainer.atomic_files import is_disk_full
-from amp_trainer.checkpointing.layout import AMP_STATE_FILE, TRAINER_STATE_FILE
+from amp_trainer.checkpointing.completeness import last_complete_checkpoint
+from amp_trainer.checkpointing.digests import DIGEST_FILE, has_digests, why_damaged
+from amp_trainer.checkpointing.layout import AMP_STATE_FILE, TRAINER_STATE_FILE, checkpoint_step
 
 __all__ = ["check_dcp_folder", "check_resume_files", "check_torch_file", "load_error_reason"]
+
+logger = logging.getLogger(__name__)
 
 # Stock Trainer's and Accelerate's torch files in a checkpoint folder (weights_only readers).
 _TORCH_FILE_PATTERNS = (
@@ -82,6 +89,10 @@ _METADATA_CLASSES = {
 }
 
 
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A global the metadata unpickler refuses (as opposed to bytes that end too soon)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP ``.metadata`` file, refusing any global outside :data:`_METADATA_CLASSES`
     (and torch's dtypes and memory formats, looked up by name) before it is called."""
@@ -93,7 +104,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.memory_format):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}")
+        raise _RefusedGlobal(f"it names {module}.{name}")
 
 
 def load_error_reason(err: BaseException) -> str:
@@ -210,11 +221,22 @@ def _storage_files(folder: Path, metadata: Any) -> Iterator[tuple[str, Path, Any
         if isinstance(item, BytesStorageMetadata)
     }
     root = folder.resolve()
+    sizes: dict[Path, int | None] = {}
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         target = (folder / str(info.relative_path)).resolve()
         if not target.is_relative_to(root):
             raise _unreadable(
                 folder / ".metadata", f"it points at {info.relative_path}, outside its folder"
+            )
+        if target not in sizes:
+            sizes[target] = target.stat().st_size if target.is_file() else None
+        end = int(info.offset) + int(info.length)
+        if sizes[target] is None or end > sizes[target]:
+            found = "no file" if sizes[target] is None else f"{sizes[target]} bytes"
+            raise ValueError(
+                f"{target} is truncated: its .metadata places entry {index.fqn} at bytes "
+                f"{info.offset}..{end}, found {found}. The checkpoint holding it is "
+                "damaged: resume from another one."
             )
         if index.fqn in byte_items:
             yield index.fqn, target, info
@@ -231,7 +253,7 @@ def check_dcp_folder(folder: Path) -> None:
         try:
             with open(meta, "rb") as handle:
                 metadata = _MetadataUnpickler(handle).load()
-        except pickle.UnpicklingError as err:
+        except _RefusedGlobal as err:
             raise _unreadable(
                 meta,
                 f"not torch.distributed.checkpoint metadata: {err} (refused unread: "
@@ -240,8 +262,10 @@ def check_dcp_folder(folder: Path) -> None:
         except Exception as err:  # truncated pickles raise EOFError, ValueError, ...
             if is_disk_full(err):
                 raise
-            raise _unreadable(meta, f"truncated or damaged metadata: {type(err).__name__}") from err
-        for fqn, target, info in _storage_files(folder, metadata):
+            raise _unreadable(
+                meta, f"truncated or damaged metadata: {type(err).__name__}: {err}"
+            ) from err
+        for fqn, target, info in _storage_files(folder, metadata):  # and the shards' sizes
             if getattr(info, "transform_descriptors", None):
                 raise _unreadable(
                     target,
@@ -259,12 +283,22 @@ def check_dcp_folder(folder: Path) -> None:
                 raise _unreadable(target, f"entry {fqn}: {load_error_reason(err)}") from err
 
 
-def check_resume_files(checkpoint: str | Path) -> None:
+def check_resume_files(
+    checkpoint: str | Path, *, digests: bool = True, digests_checked: bool = False
+) -> None:
     """Check every file resuming ``checkpoint`` reads (see the module docstring); raise one
-    ``ValueError`` naming the first damaged or unsafe one."""
+    ``ValueError`` naming the first damaged or unsafe one.
+
+    First, with ``digests``, every file against the checkpoint's
+    :data:`~amp_trainer.checkpointing.digests.DIGEST_FILE` (``digests_checked``: already
+    compared by the caller), so that damaged bytes are named as damage before any reader sees
+    them; a checkpoint without the list is said in one INFO line and gets the checks below.
+    """
     folder = Path(checkpoint)
     if not folder.is_dir():
         return  # the loaders say so themselves
+    if digests:
+        _check_digests(folder, already=digests_checked)
     if (folder / TRAINER_STATE_FILE).is_file():
         _check_trainer_state(folder / TRAINER_STATE_FILE)
     if (folder / AMP_STATE_FILE).is_file():
@@ -279,7 +313,41 @@ def check_resume_files(checkpoint: str | Path) -> None:
         check_dcp_folder(folder)
 
 
-def check_best_model_checkpoint(named: str | None, output_dir: str | Path, source: str) -> None:
+def _check_digests(folder: Path, *, already: bool) -> None:
+    """One ``ValueError`` naming the first file of ``folder`` that differs from its digest
+    list, what was expected and found, and the last intact checkpoint before it (if any)."""
+    if not has_digests(folder):
+        logger.info(
+            "%s has no %s (saved by an older version, or with checkpoint_digests=False): its "
+            "files are not compared with digests",
+            folder,
+            DIGEST_FILE,
+        )
+        return
+    reason = None if already else why_damaged(folder)
+    if reason is None:
+        return
+    step = checkpoint_step(folder)
+    older = (
+        last_complete_checkpoint(folder.parent, warn=False, before=step)
+        if step is not None
+        else None
+    )
+    raise ValueError(
+        f"{reason}. The checkpoint {folder} is damaged (its files differ from {DIGEST_FILE}, "
+        "written when it was saved): "
+        + (
+            f"resume from {older}, the last intact checkpoint before it."
+            if older
+            else "resume from another checkpoint; no intact one is before it."
+        )
+        + f" If the file was changed on purpose, delete {DIGEST_FILE} to resume it unchecked."
+    )
+
+
+def check_best_model_checkpoint(
+    named: str | None, output_dir: str | Path, source: str, *, digests: bool = True
+) -> None:
     """Check the folder ``trainer_state.json`` names as ``best_model_checkpoint`` as the resumed
     folder is checked, before ``load_best_model_at_end`` reads it.
 
@@ -287,7 +355,8 @@ def check_best_model_checkpoint(named: str | None, output_dir: str | Path, sourc
     FSDP through DCP's plain ``pickle.load``), and a resumed checkpoint from elsewhere can name
     any folder. One in this run's ``output_dir`` gets every check :func:`check_resume_files`
     makes; one outside it is refused unread (a checkpoint's own run writes its best model
-    inside its ``output_dir``). ``source`` names where the path was read, for the message.
+    inside its ``output_dir``). ``source`` names where the path was read, for the message;
+    ``digests``: compare the files with their recorded digests first.
     """
     if not named:
         return
@@ -301,4 +370,4 @@ def check_best_model_checkpoint(named: str | None, output_dir: str | Path, sourc
             "FSDP reading it can run code). Move the checkpoint folder into output_dir, or set "
             "best_model_checkpoint to null in that trainer_state.json."
         )
-    check_resume_files(folder)
+    check_resume_files(folder, digests=digests)

@@ -14,6 +14,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 __all__ = [
     "AMP_STATE_FILE",
+    "INCOMPLETE_MARKER",
     "OPTIMIZER_FILE",
     "RNG_FILE",
     "SCALER_FILE",
@@ -28,6 +29,9 @@ __all__ = [
 #: started with and the whole run's scale history, so that a resumed run can tell what changed
 #: and report all of its steps, not just those since the resume.
 AMP_STATE_FILE = "amp_trainer_state.json"
+#: Present while a checkpoint is being written (by :class:`CheckpointSaver` and by
+#: transformers' SIGTERM save, 5.0 to 5.24): a folder that holds it was stopped mid-save.
+INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
 # Stock Trainer's checkpoint file names (transformers.trainer module constants).
 SCALER_FILE, TRAINER_STATE_FILE = "scaler.pt", "trainer_state.json"
 OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE = "optimizer.pt", "scheduler.pt", "rng_state.pth"

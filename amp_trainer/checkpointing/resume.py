@@ -45,6 +45,7 @@ from amp_trainer.checkpointing.layout import (
     checkpoint_step,
     read_amp_state,
 )
+from amp_trainer.checkpointing.saving import checkpoint_digests
 from amp_trainer.training_args import LOSS_SCALER_FIELDS
 
 __all__ = ["ResumeAudit"]
@@ -63,6 +64,7 @@ class ResumeAudit:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.missing_state: list[str] = []  # training-state files the resumed checkpoint lacks
+        self.digests_checked: str | None = None  # the checkpoint resolve() compared with digests
 
     def resolve(self, resume_from_checkpoint: str | bool | None) -> str | bool | None:
         """The checkpoint ``train`` resumes from: ``True`` is output_dir's latest complete one.
@@ -71,18 +73,23 @@ class ResumeAudit:
         (a killed rank, a preemption) is resumed and dies on its missing files, or resumes with
         one rank's state missing. Incomplete ones are skipped with a warning naming what each
         lacks (:func:`~amp_trainer.checkpointing.completeness.last_complete_checkpoint`, the
-        recipes' rule too); when every one is incomplete, a ``ValueError`` says so.
+        recipes' rule too), and so are damaged ones (files that differ from their digests,
+        unless ``checkpoint_digests=False``); when none is left, a ``ValueError`` says so.
         """
+        self.digests_checked = None
         if resume_from_checkpoint is not True:
             return resume_from_checkpoint
         folder = self.trainer.args.output_dir
-        last = last_complete_checkpoint(folder)
+        digests = checkpoint_digests(self.trainer.args)
+        last = last_complete_checkpoint(folder, digests=digests)
         if last is None and os.path.isdir(folder) and get_last_checkpoint(folder) is not None:
             raise ValueError(
-                f"resume_from_checkpoint=True: no checkpoint in {folder} is complete (the "
-                "warnings above name what each lacks); pass resume_from_checkpoint=PATH or start "
-                "a new run"
+                f"resume_from_checkpoint=True: no checkpoint in {folder} is complete and intact "
+                "(the warnings above name what each lacks or which file differs); pass "
+                "resume_from_checkpoint=PATH or start a new run"
             )
+        if last is not None and digests:
+            self.digests_checked = last
         return last or True  # none at all: stock train() raises its own error
 
     def finished_run(
@@ -225,7 +232,8 @@ class ResumeAudit:
         if reason is None or not (folder / TRAINER_STATE_FILE).is_file():
             return False  # complete, or no state at all: stock train() refuses it by itself
         self.missing_state = missing_rank_files(folder)
-        earlier = last_complete_checkpoint(folder.parent, warn=False)
+        digests = checkpoint_digests(self.trainer.args)
+        earlier = last_complete_checkpoint(folder.parent, warn=False, digests=digests)
         logger.warning(
             "Resuming %s, which is incomplete (%s; interrupted while saving?): the resumed run "
             "differs from the interrupted one (the ranks without their files start with other "

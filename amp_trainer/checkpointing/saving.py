@@ -5,6 +5,8 @@ Stock ``Trainer._save_checkpoint`` writes ``scaler.pt`` (the scaler's whole stat
 
 * :data:`~amp_trainer.checkpointing.layout.AMP_STATE_FILE` in every checkpoint, written
   atomically (:mod:`amp_trainer.atomic_files`);
+* the size and digest of every file, written last
+  (:data:`~amp_trainer.checkpointing.digests.DIGEST_FILE`), which a resume compares first;
 * a full disk is one ``OSError(ENOSPC)`` naming the checkpoint, without a half-written folder;
 * ``save_total_limit`` rotation runs only once the new checkpoint is complete (every rank wrote
   its part), so a save killed half-way never leaves a torn checkpoint as the only one;
@@ -28,11 +30,16 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from amp_trainer.atomic_files import is_disk_full, write_json_atomic
-from amp_trainer.checkpointing.completeness import INCOMPLETE_MARKER
-from amp_trainer.checkpointing.layout import AMP_STATE_FILE, checkpoint_run, checkpoint_step
+from amp_trainer.checkpointing.digests import write_digests
+from amp_trainer.checkpointing.layout import (
+    AMP_STATE_FILE,
+    INCOMPLETE_MARKER,
+    checkpoint_run,
+    checkpoint_step,
+)
 from amp_trainer.training_args import AmpTrainingArguments
 
-__all__ = ["CheckpointSaver"]
+__all__ = ["CheckpointSaver", "checkpoint_digests"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +132,16 @@ class CheckpointSaver:
         Why: each rank writes its own files (``rng_state_K.pth``, its shards) and the main
         process writes ``trainer_state.json`` without waiting for the others, so a rank killed
         mid-save left a folder that looked complete. Every rank waits here; then the main
-        process removes the marker, last (see :mod:`~amp_trainer.checkpointing.completeness`).
+        process writes the digest of every file (unless ``checkpoint_digests=False``; see
+        :mod:`~amp_trainer.checkpointing.digests`) and removes the marker, last (see
+        :mod:`~amp_trainer.checkpointing.completeness`).
         """
         accelerator = getattr(self.trainer, "accelerator", None)
         if accelerator is not None and accelerator.num_processes > 1:
             accelerator.wait_for_everyone()
         if self.trainer.args.should_save:
+            if checkpoint_digests(self.trainer.args):
+                write_digests(folder)
             (folder / INCOMPLETE_MARKER).unlink(missing_ok=True)
 
     def _foreign_names(self, run_dir: Path) -> set[str]:
@@ -232,6 +243,12 @@ class CheckpointSaver:
             # How many ranks wrote their part: what a complete checkpoint holds of each.
             "world_size": getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1),
         }
+
+
+def checkpoint_digests(args: Any) -> bool:
+    """Whether checkpoints record and check file digests: ``args.checkpoint_digests``, on for
+    arguments without the field (a plain ``TrainingArguments``)."""
+    return bool(getattr(args, "checkpoint_digests", True))
 
 
 def _disk_full(err: BaseException, folder: Path) -> bool:

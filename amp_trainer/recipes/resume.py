@@ -130,8 +130,8 @@ def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
     if last is None:
         raise UsageError(
             f"--resume_from_checkpoint {said}: no checkpoint in {str(folder)!r} is complete "
-            f"(each lacks {_STATE_FILE} or a rank's part, or holds {INCOMPLETE_MARKER}); start a "
-            "new run"
+            f"and intact (each lacks {_STATE_FILE} or a rank's part, holds {INCOMPLETE_MARKER}, "
+            "or has a file that differs from its digest); start a new run"
         )
     return last
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from amp_trainer.checkpointing import AMP_STATE_FILE
+from amp_trainer.checkpointing.digests import DIGEST_FILE
 from tests.distributed.workers.jit_checkpoint import STOP_STEP
 from tests.helpers.distributed import WORKERS, run_two_gloo_ranks
 
@@ -33,3 +34,6 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step_with_one_checkpoint(tmp
     assert saved == ranks[0]["scaler"]
     files = {p.name for p in checkpoint.iterdir()}
     assert {"rng_state_0.pth", "rng_state_1.pth", AMP_STATE_FILE, "trainer_state.json"} <= files
+    # Under DDP too the digest list, written once both ranks saved, covers every rank's files.
+    listed = json.loads((checkpoint / DIGEST_FILE).read_text(encoding="utf-8"))["files"]
+    assert sorted(listed) == sorted(files - {DIGEST_FILE})

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from amp_trainer.checkpointing.digests import DIGEST_FILE
 from tests.helpers.recipes import BERT
 from tests.helpers.repo import REPO_ROOT, subprocess_env
 
@@ -85,6 +86,7 @@ def test_a_resume_without_the_tokenizer_cache_trains_on_the_checkpoints_tokenize
 ):
     run = copy_run(finished, tmp_path)
     first, second = swap_two_tokens(run / "checkpoint-2" / "tokenizer.json")
+    (run / "checkpoint-2" / DIGEST_FILE).unlink()  # edited on purpose: its digests dropped
     saved = json.loads((run / "checkpoint-2" / "tokenizer.json").read_text())["model"]["vocab"]
     # A new node, a container, a cleared ~/.cache: an empty tokenizer cache.
     result = bert(
@@ -188,15 +190,17 @@ def test_a_value_that_would_train_something_else_is_one_line_exit_2(tmp_path, ar
 def test_a_truncated_scaler_pt_is_one_line_naming_the_file(finished, tmp_path):
     run = copy_run(finished, tmp_path)
     scaler = run / "checkpoint-2" / "scaler.pt"
-    scaler.write_bytes(scaler.read_bytes()[: scaler.stat().st_size // 2])
+    size = scaler.stat().st_size
+    scaler.write_bytes(scaler.read_bytes()[: size // 2])
     line = error_line(
         bert(
             ["--output_dir", str(run), "--resume_from_checkpoint", str(run / "checkpoint-2")],
             tmp_path / "cache",
         )
     )
-    assert f"{scaler} is unreadable (truncated or not a torch file)" in line
-    assert "weights_only" not in line
+    # The checkpoint's digests name it first: the size saved and the size found.
+    assert f"{scaler}: expected {size} bytes, found {size // 2} (truncated)" in line
+    assert "is damaged" in line and "weights_only" not in line
 
 
 @pytest.mark.parametrize(
@@ -241,6 +245,8 @@ def test_a_damaged_checkpoint_file_is_one_line_naming_it(finished, tmp_path, nam
     run = copy_run(finished, tmp_path)
     damaged = run / "checkpoint-2" / name
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    # Without the digest list (an older checkpoint's): the file's own check names it.
+    (run / "checkpoint-2" / DIGEST_FILE).unlink()
     line = error_line(
         bert(
             ["--output_dir", str(run), "--resume_from_checkpoint", str(run / "checkpoint-2")],

@@ -21,6 +21,7 @@ import torch
 from datasets import Dataset
 
 from amp_trainer import AmpTrainer
+from amp_trainer.checkpointing.digests import DIGEST_FILE
 from tests.helpers.tiny_models import make_tiny_bert
 from tests.helpers.training import tiny_training_args
 from tests.trainer.test_trainer_damaged_files import WritesMarker
@@ -66,6 +67,8 @@ def resumable_copy(saved_run: Path, out: Path, best: Path) -> Path:
     state = json.loads(state_file.read_text(encoding="utf-8"))
     state["best_model_checkpoint"] = str(best)
     state_file.write_text(json.dumps(state), encoding="utf-8")
+    # Edited by hand: its digest list removed, as a digest mismatch's error advises.
+    (checkpoint / DIGEST_FILE).unlink()
     return checkpoint
 
 
@@ -121,6 +124,7 @@ def test_a_clean_best_model_checkpoint_resumes_and_is_loaded_at_the_end(saved_ru
         tmp_path / "scratch" / "checkpoint-2" / "trainer_state.json",
         out / "checkpoint-2" / "trainer_state.json",
     )
+    (out / "checkpoint-2" / DIGEST_FILE).unlink()  # its trainer_state.json edited
     trainer = trainer_for(out)
     trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert trainer.state.global_step == 4

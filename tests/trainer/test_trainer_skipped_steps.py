@@ -22,6 +22,7 @@ from transformers.trainer_callback import CallbackHandler, ProgressCallback, Tra
 
 import amp_trainer.step_accounting as step_accounting
 from amp_trainer import AmpTrainer
+from amp_trainer.checkpointing.digests import DIGEST_FILE
 from amp_trainer.recipes.reporting import describe_optimizer_steps
 from tests.helpers.tiny_models import make_tiny_bert
 from tests.helpers.training import (
@@ -428,6 +429,7 @@ def test_a_checkpoint_without_the_attempt_counter_resumes_with_attempts_equal_to
     for name in step_accounting.STEP_FIELDS:
         del state[name]
     state_path.write_text(json.dumps(state), encoding="utf-8")
+    (state_path.parent / DIGEST_FILE).unlink()  # an older amp-trainer wrote no digest list
 
     resumed, _ = _run(tmp_path / "resumed", save_strategy="steps", save_steps=3)
     with caplog.at_level(logging.WARNING):
@@ -445,6 +447,7 @@ def _strip_the_position(checkpoint) -> None:
     for name in step_accounting.STEP_FIELDS:
         del state[name]
     state_path.write_text(json.dumps(state), encoding="utf-8")
+    (checkpoint / DIGEST_FILE).unlink()  # nor a digest list
 
 
 def _old_position_lines(caplog) -> list[str]:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from amp_trainer.checkpointing.digests import DIGEST_FILE
 from tests.distributed.workers.trainer_fsdp2 import trainer
 from tests.helpers.distributed import leave_without_teardown
 
@@ -86,6 +87,9 @@ def main() -> None:
         for name, poison in copies.items():
             copy = Path(shutil.copytree(saved, out_dir / name / "checkpoint-3"))
             poison(copy, out_dir / f"{name}-payload-ran")
+            # A crafted checkpoint carries no digest list of ours (or one rewritten to match):
+            # what meets the payload is then the unpickler check.
+            (copy / DIGEST_FILE).unlink()
     dist.barrier()
     result: dict = {}
     for name in copies:
