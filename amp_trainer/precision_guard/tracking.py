@@ -8,13 +8,10 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from amp_trainer.precision_guard.guard import PrecisionGuard
 
 __all__ = ["TRACKER", "ApplyTracker", "Cast", "ForwardWatch", "call_site"]
 
@@ -53,17 +50,19 @@ class ApplyTracker:
 
     Patched into ``nn.Module`` while at least one guard is open, never at import, and put back
     when the last one closes. Only the outermost call of a recursion looks at dtypes, so a cast
-    of a whole model costs one pass over its parameters before and after.
+    of a whole model costs one pass over its parameters before and after. (Guards are typed
+    ``Any`` here: this module sits below :mod:`~amp_trainer.precision_guard.guard`, which
+    imports it.)
     """
 
     def __init__(self) -> None:
-        self.guards: weakref.WeakSet[PrecisionGuard] = weakref.WeakSet()
+        self.guards: weakref.WeakSet[Any] = weakref.WeakSet()
         self.torch_apply: Any = None
         self.installed = False
         self.local = threading.local()
         self.lock = threading.Lock()
 
-    def add(self, guard: PrecisionGuard) -> None:
+    def add(self, guard: Any) -> None:
         with self.lock:
             self.guards.add(guard)
             if not self.installed:
@@ -77,7 +76,7 @@ class ApplyTracker:
                 nn.Module._apply = _apply  # type: ignore[method-assign]
                 self.installed = True
 
-    def discard(self, guard: PrecisionGuard) -> None:
+    def discard(self, guard: Any) -> None:
         with self.lock:
             self.guards.discard(guard)
             if not self.guards and self.installed:
@@ -108,7 +107,7 @@ class ForwardWatch:
     """The guard's forward pre-hook: a weak reference, so a model that is copied, pickled or
     saved whole carries a hook that does nothing rather than the guard and its run."""
 
-    def __init__(self, guard: PrecisionGuard) -> None:
+    def __init__(self, guard: Any) -> None:
         self.guard: Any = weakref.ref(guard)
 
     def __call__(self, module: nn.Module, args: Any) -> None:
