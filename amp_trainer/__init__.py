@@ -21,6 +21,7 @@ __all__ = [
     "AmpTrainer",
     "AmpTrainerMixin",
     "AmpTrainingArguments",
+    "BadBatchError",
     "Diagnosis",
     "DivergenceError",
     "DynamicLossScaler",
@@ -74,6 +75,7 @@ _WHERE = {
     "PrecisionMismatchCallback": "amp_trainer.mismatch",
     "measure_precision_mismatch": "amp_trainer.mismatch",
     "release_ddp_reducers": "amp_trainer.ddp_teardown",
+    "BadBatchError": "amp_trainer.skip_streak_replay",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -96,6 +98,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.islands import keep_in_fp32, keep_norms_in_fp32
     from amp_trainer.mismatch import PrecisionMismatchCallback, measure_precision_mismatch
     from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
+    from amp_trainer.skip_streak_replay import BadBatchError
     from amp_trainer.trainer import AmpSeq2SeqTrainer, AmpTrainer, AmpTrainerMixin
     from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
 

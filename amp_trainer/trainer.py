@@ -91,6 +91,7 @@ from amp_trainer.mismatch import PrecisionMismatchCallback
 from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler
+from amp_trainer.skip_streak_replay import SkipStreakReplay, replay_for_trainer
 from amp_trainer.step_accounting import PADDING, StepAccounting, install_step_aware_handler
 from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
 
@@ -233,6 +234,8 @@ class AmpTrainerMixin(Trainer):
         self._last_step_skipped = False
         self._underflow_logged: Any = None
         self._forward_overflow: ForwardOverflowGuard | None = None
+        self.replay_verdicts: list[dict[str, Any]] = []  # see amp_trainer.skip_streak_replay
+        self._skip_replay: SkipStreakReplay | None = None
         self._overflow_step_loss = OverflowStepLoss()
         self._steps = StepAccounting(self)
         super().__init__(*args, **kwargs)
@@ -361,6 +364,9 @@ class AmpTrainerMixin(Trainer):
                     on_divergence=getattr(self.args, "on_divergence", "raise"),
                     forward=self._loss_of_batch,
                 )
+            replay = self._skip_replay
+            if replay is None or replay.model is not model or replay.scaler is not self.loss_scaler:
+                self._skip_replay = replay_for_trainer(self, model)
 
     def _loss_of_batch(self, model: nn.Module, inputs: Any) -> Any:
         """The forward-overflow guard's re-run of a batch: the loss this Trainer trains on.
@@ -382,6 +388,8 @@ class AmpTrainerMixin(Trainer):
             guard.observe(loss, inputs)  # no sync; read only on skipped steps
             if guard.optimizer is not self.optimizer:
                 guard.optimizer = self.optimizer  # names the learning rate if it diverges
+        if self._skip_replay is not None:
+            self._skip_replay.observe(inputs, loss)  # a reference; replayed after a skip streak
         return loss
 
     def _load_best_model(self) -> None:
