@@ -199,6 +199,7 @@ class SkipStreakReplay:
         self._scale_at_start: float | None = None  # the scale the streak's first step ran with
         self._scale = scaler.get_scale()  # the scale the next step runs with
         self._attempts = 0
+        self._fp16_loss_finite: bool | None = None  # the last replay pass's loss
 
     # -- the training loop's side ----------------------------------------------------------
     @property
@@ -273,7 +274,17 @@ class SkipStreakReplay:
                 failed[0],
             )
             return {}
-        verdict = min((f["verdict"] for f in findings), key=VERDICTS.index)
+        proved = [f["verdict"] for f in findings if f["verdict"] is not None]
+        if not proved:
+            logger.warning(
+                "Step %d: %d skipped updates in a row; the replay proves no verdict (%s): the "
+                "scaler goes on backing off.",
+                step,
+                self._skips,
+                next(f["why"] for f in findings),
+            )
+            return {}
+        verdict = min(proved, key=VERDICTS.index)
         modules = list(dict.fromkeys(m for f in findings for m in f.get("modules", [])))
         entry: dict[str, Any] = {
             "step": step,
@@ -282,6 +293,8 @@ class SkipStreakReplay:
             "modules": modules if verdict == "fp16_backward_range" else [],
             "skips": self._skips,
         }
+        if len(findings) > 1:  # which rank's batch proved it
+            entry["rank_verdicts"] = [f["verdict"] for f in findings]
         evidence = next((f["evidence"] for f in findings if f.get("evidence")), [])
         if verdict == "data":
             entry["batches"] = [b for f in findings for b in f.get("batches", [])]
@@ -303,19 +316,31 @@ class SkipStreakReplay:
             fine = sum(self._pass(r["inputs"], fp16=False, scale=1.0)[0] for r in others)
             if others and not fine:
                 return {
-                    "verdict": "divergence",
-                    "evidence": [
-                        f"the gradients are non-finite in pure FP32 on every one of {len(others)} "
-                        "other recent batches too, from weights no skipped step changed"
-                    ],
+                    "verdict": None,
+                    "why": f"the gradients are non-finite in pure FP32 on every one of "
+                    f"{len(others)} other recent batches too, with no mark of divergence: the "
+                    "model or its loss, not FP16 nor one batch",
                 }
             named = [self._name_batch(b, compared=len(others)) for b in bad]
+            if not others and not any(b.get("inputs") for b in named):
+                return {
+                    "verdict": None,
+                    "why": "the gradients are non-finite in pure FP32 too, but there is no other "
+                    "recent batch to tell one bad batch from the model, and the batch's inputs "
+                    "are finite",
+                }
             return {"verdict": "data", "batches": named}
         min_scale = float(self.scaler.policy.min_scale)
         for record in batches:
             finite, culprit = self._pass(record["inputs"], fp16=True, scale=min_scale, locate=True)
             if finite:
                 continue
+            if self._fp16_loss_finite is False:
+                return {
+                    "verdict": None,
+                    "why": "the FP16 loss itself is non-finite (a forward overflow, the "
+                    "forward-overflow guard's to handle: on_forward_overflow)",
+                }
             evidence = list(self.judge.evidence(culprit or "", []))
             if evidence:
                 return {"verdict": "divergence", "evidence": evidence, "culprit": culprit}
@@ -359,7 +384,8 @@ class SkipStreakReplay:
             torch.autocast(device_type, dtype=self.dtype, enabled=fp16),
         ):
             loss = _loss_of(self.forward(self.model, inputs))
-        if loss is None or not bool(torch.isfinite(loss.detach()).all()):
+        self._fp16_loss_finite = loss is not None and bool(torch.isfinite(loss.detach()).all())
+        if not self._fp16_loss_finite:
             return False
         (loss.float() * scale).backward()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -633,7 +659,9 @@ def replay_for_trainer(trainer: Any, model: nn.Module) -> SkipStreakReplay | Non
 
     def locate(record: dict[str, Any]) -> list[int] | None:
         """Dataset indices of a batch's rows: known for a sequential sampler on one process."""
-        sequential = getattr(args, "train_sampling_strategy", "random") == "sequential"
+        loader = getattr(trainer.callback_handler, "train_dataloader", None)
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        sequential = isinstance(sampler, torch.utils.data.SequentialSampler)
         if not sequential or args.world_size > 1 or record.get("position") is None:
             return None
         size = args.per_device_train_batch_size

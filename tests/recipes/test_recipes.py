@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,12 @@ def test_bert_recipe_prints_a_summary_table(bert_run):
     steps = json.loads((bert_run[0] / "metrics.json").read_text())["optimizer_steps"]
     assert steps["applied"] == 3 and steps["attempts"] >= 3  # max_steps counts applied updates
     assert f"applied {steps['applied']} of {steps['attempts']} attempts" in stdout
+
+
+def test_neither_recipe_replays_a_skip_streak_on_a_clean_run(bert_run, gpt2_lora_run):
+    for out, result in (bert_run, gpt2_lora_run):
+        assert json.loads((out / "metrics.json").read_text())["replay_verdicts"] == []
+        assert re.search(r"skip-streak replays \(verdicts\)\s*\|?\s*0\b", result.stdout)
 
 
 def test_gpt2_recipe_with_lora_saves_an_adapter_and_a_merged_fp16_export(gpt2_lora_run):

@@ -29,8 +29,16 @@ from tests.helpers.training import tiny_training_args
 FULL_BATCH = dict(max_steps=30, learning_rate=3e-2, per_device_train_batch_size=32, seed=0)
 
 
-def _run(tmp_path, name, model, data, eval_data=None, **overrides):
-    trainer = AmpTrainer(
+class SequentialTrainer(AmpTrainer):
+    """Reads the dataset in order (``train_sampling_strategy="sequential"`` where transformers
+    has it): the replay can name a bad sample's dataset index."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+def _run(tmp_path, name, model, data, eval_data=None, cls=AmpTrainer, **overrides):
+    trainer = cls(
         model=model,
         args=tiny_training_args(tmp_path / name, logging_steps=100, **overrides),
         train_dataset=data,
@@ -96,7 +104,6 @@ def test_a_backward_range_overflow_is_fixed_by_an_fp32_island_and_matches_fp32(t
 DATA_RUN = dict(
     max_steps=6,
     per_device_train_batch_size=4,
-    train_sampling_strategy="sequential",
     skip_streak_replay=1,
     loss_scale_init=2.0**8,  # no start-up skips: the one skip is the bad batch's
 )
@@ -111,6 +118,7 @@ def test_an_inf_in_one_sample_is_the_data_verdict_naming_its_dataset_index(
         "data",
         PlainRegression(),
         Regression(inf_at=9),
+        cls=SequentialTrainer,
         **DATA_RUN,
         on_forward_overflow=forward_policy,
         skip_streak_quarantine=int(forward_policy == "fp32"),
