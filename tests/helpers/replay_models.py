@@ -52,16 +52,12 @@ class PlainRegression(BackwardOverflowRegression):
 
 
 class Regression(torch.utils.data.Dataset):
-    """``y = x . w + noise`` on 4 features; ``inf_at`` puts an inf into that sample's features,
-    ``scale`` multiplies features and targets (tiny values: tiny gradients)."""
+    """``y = x . w + noise`` on 4 features; ``inf_at`` puts an inf into that sample's features."""
 
-    def __init__(
-        self, n: int = 32, seed: int = 0, inf_at: int | None = None, scale: float = 1.0
-    ) -> None:
+    def __init__(self, n: int = 32, seed: int = 0, inf_at: int | None = None) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 4, generator=g)
         self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 1.5]) + 0.3 * torch.randn(n, generator=g)
-        self.x, self.y = self.x * scale, self.y * scale
         if inf_at is not None:
             self.x[inf_at, 2] = float("inf")
 

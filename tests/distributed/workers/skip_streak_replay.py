@@ -40,11 +40,13 @@ def main() -> None:
         disable_tqdm=True,
         seed=0,
     )
-    trainer = AmpTrainer(
-        model=BackwardOverflowRegression(seed=0),
-        args=args,
-        train_dataset=Regression(32, seed=rank, scale=1e-3 if rank == 0 else 1.0),
-    )
+    model = BackwardOverflowRegression(seed=0)
+    data = Regression(32, seed=rank)
+    if rank == 0:  # no update is applied before the replay: the weights are still these
+        data.x = torch.zeros_like(data.x)
+        with torch.no_grad():
+            data.y = model(x=data.x, labels=data.y)["logits"].detach().clone()
+    trainer = AmpTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
     flat = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     result = {
