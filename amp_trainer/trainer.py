@@ -29,7 +29,8 @@ our scaler).
 A forward overflow (the unscaled loss already inf/NaN) is told from a gradient overflow on
 skipped steps and handled by :mod:`amp_trainer.forward_overflow` (``on_forward_overflow``): by
 default the module that overflowed becomes an FP32 island, named in one warning, recorded in
-``model.config`` (so checkpoints carry it) and restored on resume.
+``model.config`` (so checkpoints carry it) and restored on resume. A streak of skipped updates is
+replayed and its verdict acted on by :mod:`amp_trainer.skip_streak_replay` (``skip_streak_replay``).
 
 A skipped update is not a step: ``global_step``, ``max_steps`` and the epochs count applied
 updates, ``state.optimizer_step_attempts`` every attempt, and a resume continues from the batch
@@ -91,7 +92,8 @@ from amp_trainer.mismatch import PrecisionMismatchCallback
 from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.scaler import DynamicLossScaler
-from amp_trainer.skip_streak_replay import SkipStreakReplay, replay_for_trainer
+from amp_trainer.skip_streak_replay import SkipStreakReplay
+from amp_trainer.skip_streak_replay.for_trainer import replay_for_trainer
 from amp_trainer.step_accounting import PADDING, StepAccounting, install_step_aware_handler
 from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
 

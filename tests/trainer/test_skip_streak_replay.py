@@ -199,7 +199,9 @@ class CountingReplay(SkipStreakReplay):
 
 
 def test_a_clean_run_replays_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr("amp_trainer.skip_streak_replay.SkipStreakReplay", CountingReplay)
+    monkeypatch.setattr(
+        "amp_trainer.skip_streak_replay.for_trainer.SkipStreakReplay", CountingReplay
+    )
     trainer = _run(
         tmp_path,
         "clean",
@@ -225,7 +227,7 @@ def test_the_replay_leaves_gradients_buffers_rng_and_hooks_as_they_were():
     grads = [p.grad.clone() for p in model.parameters()]
     buffers = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
-    finite, culprit = replay._pass(x, fp16=True, scale=1.0, locate=True)
+    finite, culprit = replay.passes.run(x, fp16=True, scale=1.0, locate=True)
     assert not finite and culprit == "2"
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     assert all(torch.equal(b, c) for b, c in zip(model.buffers(), buffers))

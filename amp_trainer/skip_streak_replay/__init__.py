@@ -33,14 +33,28 @@ the same islands and the same scale.
 
 Each verdict is appended to ``verdicts`` (``{"step", "attempt", "verdict", "modules", ...}``),
 said in one log line and handed to ``on_verdict`` (the trainer logs it as ``replay_verdict``).
+This package holds :class:`SkipStreakReplay` (when to replay, the verdict, acting on it);
+:mod:`~amp_trainer.skip_streak_replay.passes` the replays themselves (isolated from the run, the
+backward hooks that name the module) and :mod:`~amp_trainer.skip_streak_replay.for_trainer` how
+:class:`~amp_trainer.AmpTrainer` runs it by itself (``skip_streak_replay``,
+``skip_streak_quarantine``). In any other loop::
+
+    replay = SkipStreakReplay(model, scaler, streak=8)
+    for step, batch in enumerate(loader, 1):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(**batch).loss
+        replay.observe(batch, loss)                  # a reference, no sync
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        replay.after_step(scaler.step_was_skipped, step)  # work only after a streak
+        optimizer.zero_grad()
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -50,16 +64,15 @@ from torch import nn
 
 from amp_trainer.forward_overflow.divergence import DivergenceJudge
 from amp_trainer.islands import keep_in_fp32, record_fp32_islands
-from amp_trainer.numerics import all_finite, describe_module, iter_tensors, nonfinite_inputs
-from amp_trainer.precision import without_autocast_wrapper
+from amp_trainer.numerics import describe_module, nonfinite_inputs
 from amp_trainer.scaler import DynamicLossScaler
+from amp_trainer.skip_streak_replay.passes import ReplayPass
 
 __all__ = [
     "VERDICTS",
     "BadBatchError",
     "SkipStreakReplay",
     "check_replay_arguments",
-    "replay_for_trainer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,7 +80,6 @@ logger = logging.getLogger(__name__)
 #: What a replay can prove, most serious first (the order several ranks' findings are merged in).
 VERDICTS = ("divergence", "data", "fp16_backward_range", "scale_warmup")
 _OTHER_BATCHES = 3  # recent batches replayed in FP32 to tell one bad batch from broken weights
-_ROWS_SEARCHED = 64  # a batch with more rows is named as a whole when no input holds inf/NaN
 _RESTORE_STEP = 16.0  # the scales tried for the restored scale: the streak's start, / 16, ...
 
 
@@ -86,52 +98,6 @@ def check_replay_arguments(streak: Any, quarantine: Any) -> None:
                 f"{'off' if name == 'skip_streak_replay' else 'no batch is quarantined'}), "
                 f"got {value!r}"
             )
-
-
-def _default_forward(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (list, tuple)):
-        return model(*inputs)
-    return model(inputs)
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", output)
-    if isinstance(loss, torch.Tensor) and loss.is_floating_point():
-        return loss if loss.numel() == 1 else loss.mean()
-    return None
-
-
-class _FirstNonFiniteGradient:
-    """Full backward hooks for one replay: the first module (in backward order) whose gradient
-    input is non-finite while its gradient output is finite. Removed on exit."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.first: str | None = None
-        self._handles = [
-            module.register_full_backward_hook(self._hook(name))
-            for name, module in model.named_modules()
-            if name  # the model's own output is a ModelOutput/mapping: no backward hook there
-        ]
-
-    def _hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-            if self.first is not None:
-                return
-            given = [g for g in iter_tensors(list(grad_input)) if g is not None]
-            if given and all_finite(list(grad_output)) and not all_finite(given):
-                self.first = name
-
-        return hook
-
-    def __enter__(self) -> _FirstNonFiniteGradient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
 
 class SkipStreakReplay:
@@ -180,8 +146,7 @@ class SkipStreakReplay:
         self.scaler = scaler
         self.streak = streak
         self.quarantine = quarantine
-        self.forward = forward or _default_forward
-        self.dtype = dtype
+        self.passes = ReplayPass(model, forward, dtype)
         self._own_judge = judge is None
         self.judge = judge or DivergenceJudge(model, on_divergence=on_divergence)
         self.make_islands = make_islands or self._keep_in_fp32
@@ -199,7 +164,6 @@ class SkipStreakReplay:
         self._scale_at_start: float | None = None  # the scale the streak's first step ran with
         self._scale = scaler.get_scale()  # the scale the next step runs with
         self._attempts = 0
-        self._fp16_loss_finite: bool | None = None  # the last replay pass's loss
 
     # -- the training loop's side ----------------------------------------------------------
     @property
@@ -307,13 +271,13 @@ class SkipStreakReplay:
 
     def _local_finding(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
         """This rank's verdict on its own last step's micro-batches (replays only)."""
-        bad = [b for b in batches if not self._pass(b["inputs"], fp16=False, scale=1.0)[0]]
+        bad = [b for b in batches if not self.passes.run(b["inputs"], fp16=False, scale=1.0)[0]]
         if bad:
             evidence = list(self.judge.evidence("", []))
             if evidence:
                 return {"verdict": "divergence", "evidence": evidence}
             others = [r for r in self._recent if all(r is not b for b in bad)][-_OTHER_BATCHES:]
-            fine = sum(self._pass(r["inputs"], fp16=False, scale=1.0)[0] for r in others)
+            fine = sum(self.passes.run(r["inputs"], fp16=False, scale=1.0)[0] for r in others)
             if others and not fine:
                 return {
                     "verdict": None,
@@ -332,10 +296,12 @@ class SkipStreakReplay:
             return {"verdict": "data", "batches": named}
         min_scale = float(self.scaler.policy.min_scale)
         for record in batches:
-            finite, culprit = self._pass(record["inputs"], fp16=True, scale=min_scale, locate=True)
+            finite, culprit = self.passes.run(
+                record["inputs"], fp16=True, scale=min_scale, locate=True
+            )
             if finite:
                 continue
-            if self._fp16_loss_finite is False:
+            if self.passes.loss_finite is False:
                 return {
                     "verdict": None,
                     "why": "the FP16 loss itself is non-finite (a forward overflow, the "
@@ -347,96 +313,11 @@ class SkipStreakReplay:
             return {"verdict": "fp16_backward_range", "modules": [culprit] if culprit else []}
         return {"verdict": "scale_warmup"}
 
-    def _pass(
-        self, inputs: Any, *, fp16: bool, scale: float, locate: bool = False
-    ) -> tuple[bool, str | None]:
-        """One forward and backward of ``inputs`` from the current weights, in FP16 autocast at
-        loss scale ``scale`` or in pure FP32: whether the loss and every gradient are finite, and
-        (``locate``) the module the first non-finite gradient comes from. The run's gradients,
-        buffers and RNG are as before afterwards."""
-        with self._isolated():
-            try:
-                with (
-                    warnings.catch_warnings(),  # "no inputs require gradients": a module fed ids
-                    _FirstNonFiniteGradient(self.model)
-                    if locate
-                    else contextlib.nullcontext() as hooks,
-                ):
-                    warnings.simplefilter("ignore", UserWarning)
-                    finite = self._forward_backward(inputs, fp16=fp16, scale=scale)
-            except RuntimeError:
-                if not locate:
-                    raise
-                # Full backward hooks refuse modules whose output is modified in place: replay
-                # without them and name the module of the first non-finite parameter gradient.
-                hooks = None
-                self._clear_grads()
-                finite = self._forward_backward(inputs, fp16=fp16, scale=scale)
-            culprit = None
-            if locate and not finite:
-                culprit = getattr(hooks, "first", None) or self._module_of_bad_gradient()
-        return finite, culprit
-
-    def _forward_backward(self, inputs: Any, *, fp16: bool, scale: float) -> bool:
-        device_type = self._device_type(inputs)
-        with (
-            without_autocast_wrapper(self.model) if not fp16 else contextlib.nullcontext(),
-            torch.autocast(device_type, dtype=self.dtype, enabled=fp16),
-        ):
-            loss = _loss_of(self.forward(self.model, inputs))
-        self._fp16_loss_finite = loss is not None and bool(torch.isfinite(loss.detach()).all())
-        if not self._fp16_loss_finite:
-            return False
-        (loss.float() * scale).backward()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return True
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-
-    def _module_of_bad_gradient(self) -> str | None:
-        """The module owning the last parameter (the first in backward order) whose gradient is
-        non-finite."""
-        named = [
-            name
-            for name, p in self.model.named_parameters()
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
-        ]
-        return named[-1].rpartition(".")[0] or None if named else None
-
-    @contextlib.contextmanager
-    def _isolated(self) -> Any:
-        """The replay's gradients, buffer updates (BatchNorm statistics) and random draws are
-        its own: the real run's are put back on exit."""
-        params = list(self.model.parameters())
-        saved_grads = [p.grad for p in params]
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        device_type = next((p.device.type for p in params), "cpu")
-        devices = [torch.cuda.current_device()] if device_type == "cuda" else []
-        self._clear_grads()
-        try:
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
-                yield
-        finally:
-            for p, grad in zip(params, saved_grads):
-                p.grad = grad
-            with torch.no_grad():
-                for buffer, value in buffers:
-                    buffer.copy_(value)
-
-    def _clear_grads(self) -> None:
-        for p in self.model.parameters():
-            p.grad = None
-
-    def _device_type(self, inputs: Any) -> str:
-        for tensor in iter_tensors(inputs):
-            return tensor.device.type
-        return next((p.device.type for p in self.model.parameters()), "cpu")
-
     def _name_batch(self, record: dict[str, Any], *, compared: int) -> dict[str, Any]:
         """Where a bad batch is: its rows that hold inf/NaN (or whose FP32 loss alone is
         non-finite), their dataset indices where the sampler says, and its place in the run."""
         inputs = record["inputs"]
-        rows = self._bad_rows(inputs)
+        rows = self.passes.bad_rows(inputs)
         named: dict[str, Any] = {
             "attempt": self._attempts,
             "rows": rows,
@@ -452,29 +333,6 @@ class SkipStreakReplay:
             [indices[r] for r in rows if r < len(indices)] if indices and rows else None
         )
         return named
-
-    def _bad_rows(self, inputs: Any) -> list[int]:
-        if not isinstance(inputs, Mapping):
-            return []
-        sizes = {v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.ndim}
-        if len(sizes) != 1:
-            return []
-        (size,) = sizes
-        rows = set()
-        for value in inputs.values():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim:
-                bad = ~torch.isfinite(value.reshape(size, -1)).all(dim=1)
-                rows.update(int(i) for i in torch.nonzero(bad).flatten())
-        if rows or size > _ROWS_SEARCHED:
-            return sorted(rows)
-        for row in range(size):  # no input holds inf/NaN: the row whose FP32 loss is not finite
-            one = {
-                k: v[row : row + 1] if isinstance(v, torch.Tensor) and v.ndim else v
-                for k, v in inputs.items()
-            }
-            if not self._pass(one, fp16=False, scale=1.0)[0]:
-                rows.add(row)
-        return sorted(rows)
 
     # -- several ranks ----------------------------------------------------------------------
     def _group(self) -> Any:
@@ -556,7 +414,7 @@ class SkipStreakReplay:
         records = [r for r in list(self._recent)[-1:]]
         try:
             for scale in candidates:
-                if all(self._pass(r["inputs"], fp16=True, scale=scale)[0] for r in records):
+                if all(self.passes.run(r["inputs"], fp16=True, scale=scale)[0] for r in records):
                     chosen = scale
                     break
         except RuntimeError:
@@ -635,52 +493,3 @@ def _describe_batch(batch: Mapping[str, Any]) -> str:
     if not batch.get("compared_with"):
         where += "; no other recent batch to compare with"
     return where
-
-
-def replay_for_trainer(trainer: Any, model: nn.Module) -> SkipStreakReplay | None:
-    """The replay an :class:`~amp_trainer.AmpTrainer` runs for ``model`` (``None`` when
-    ``skip_streak_replay=0``, without a loss scaler, or under FSDP, whose backward outside its
-    own forward would run its reduce-scatter hooks). It shares the forward-overflow guard's
-    divergence judgement and islands, replays the loss the trainer trains on, logs each verdict
-    as ``replay_verdict`` and appends it to ``trainer.replay_verdicts``."""
-    args = trainer.args
-    streak = getattr(args, "skip_streak_replay", 8)
-    if not streak or trainer.loss_scaler is None or trainer.is_fsdp_enabled:
-        return None
-    guard = trainer._forward_overflow
-
-    def where() -> dict[str, Any]:
-        state = trainer.state  # train() makes a new one
-        seen = getattr(state, "train_dataloader_batches_seen", None)
-        return {
-            "epoch": getattr(state, "train_dataloader_epoch", None),
-            "position": None if seen is None else seen + replay.pending,
-        }
-
-    def locate(record: dict[str, Any]) -> list[int] | None:
-        """Dataset indices of a batch's rows: known for a sequential sampler on one process."""
-        loader = getattr(trainer.callback_handler, "train_dataloader", None)
-        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-        sequential = isinstance(sampler, torch.utils.data.SequentialSampler)
-        if not sequential or args.world_size > 1 or record.get("position") is None:
-            return None
-        size = args.per_device_train_batch_size
-        start = record["position"] * size
-        return list(range(start, start + size))
-
-    replay = SkipStreakReplay(
-        model,
-        trainer.loss_scaler,
-        streak=streak,
-        quarantine=getattr(args, "skip_streak_quarantine", 0),
-        forward=trainer._loss_of_batch,
-        judge=guard.judge if guard is not None else None,
-        on_divergence=getattr(args, "on_divergence", "raise"),
-        make_islands=guard.rerun.make_islands if guard is not None else None,
-        locate_batch=locate,
-        on_verdict=lambda entry: trainer.log({"replay_verdict": entry["verdict"]}),
-        verdicts=trainer.replay_verdicts,
-        where=where,
-    )
-    replay.optimizer_of = lambda: trainer.optimizer
-    return replay
