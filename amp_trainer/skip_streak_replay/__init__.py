@@ -199,7 +199,7 @@ class SkipStreakReplay:
         self._recent.extend(batches)
         if proven is not None:
             self._skips += 1
-            entry = self._replay(step, batches, scale_before) if batches else {}
+            entry = self._replay(step, batches, scale_before)  # every rank: they gather
             if entry.get("verdict") != "data":
                 raise proven
             self._scale = self.scaler.get_scale()
@@ -214,7 +214,7 @@ class SkipStreakReplay:
         # verdict of this streak (scale_warmup proved another batch finite at min_scale).
         at_min = self.scaler.get_scale() <= self.scaler.policy.min_scale
         due = self._skips == self.streak or (at_min and self._replayed != "at_min")
-        if not batches or not due:
+        if not due:  # the same on every rank (the found-inf flag is reduced): they gather
             return None
         self._replayed = "at_min" if at_min else "streak"
         entry = self._replay(step, batches, scale_before)
@@ -265,7 +265,6 @@ class SkipStreakReplay:
         if verdict == "divergence":
             entry["evidence"] = evidence
             culprit = next((f["culprit"] for f in findings if f.get("culprit")), None)
-        if verdict == "divergence":
             return self._act_divergence(entry, culprit)
         return getattr(self, f"_act_{verdict}")(entry, scale_before)
 
