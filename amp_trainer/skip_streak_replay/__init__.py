@@ -270,6 +270,8 @@ class SkipStreakReplay:
 
     def _local_finding(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
         """This rank's verdict on its own last step's micro-batches (replays only)."""
+        if not batches:
+            return {"verdict": None, "why": "no batch of the step was given to observe()"}
         bad = [b for b in batches if not self.passes.run(b["inputs"], fp16=False, scale=1.0)[0]]
         if bad:
             evidence = list(self.judge.evidence("", []))
