@@ -21,6 +21,7 @@ __all__ = [
     "AmpTrainer",
     "AmpTrainerMixin",
     "AmpTrainingArguments",
+    "BadBatchError",
     "Diagnosis",
     "DivergenceError",
     "DynamicLossScaler",
@@ -78,6 +79,7 @@ _WHERE = {
     "release_ddp_reducers": "amp_trainer.ddp_teardown",
     "PrecisionDriftError": "amp_trainer.precision_guard",
     "PrecisionGuard": "amp_trainer.precision_guard",
+    "BadBatchError": "amp_trainer.skip_streak_replay",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -101,6 +103,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from amp_trainer.mismatch import PrecisionMismatchCallback, measure_precision_mismatch
     from amp_trainer.precision_guard import PrecisionDriftError, PrecisionGuard
     from amp_trainer.scaler import DynamicLossScaler, LossScaleError, ScalerStats
+    from amp_trainer.skip_streak_replay import BadBatchError
     from amp_trainer.trainer import AmpSeq2SeqTrainer, AmpTrainer, AmpTrainerMixin
     from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from amp_trainer.forward_overflow import NonFiniteForwardError
 from amp_trainer.scaler import LossScaleError
 
 __all__ = ["MAX_CONSECUTIVE_SKIPS", "LossScaleMonitor", "record_scale_step"]
@@ -160,9 +161,20 @@ class LossScaleMonitor(TrainerCallback):
             return
         self._attempt_open = False
         forward = None
-        if self._trainer._forward_overflow is not None:
-            forward = self._trainer._forward_overflow.after_step()  # work only on skipped steps
+        replay = getattr(self._trainer, "_skip_replay", None)
+        try:
+            if self._trainer._forward_overflow is not None:
+                forward = self._trainer._forward_overflow.after_step()  # skipped steps only
+        except NonFiniteForwardError as err:
+            if replay is None or not replay.quarantine:
+                raise
+            # The batch is non-finite in FP32 too: the replay proves it is the data and
+            # quarantines it, or raises the error.
+            replay.after_step(True, state.global_step + 1, proven=err)
+            replay = None
         skipped = scaler.step_was_skipped
+        if replay is not None:  # replays the batch after a streak of skipped updates only
+            replay.after_step(skipped, state.global_step + 1, handled=forward is not None)
         # The step this attempt would make: global_step is raised right after this event if the
         # update is applied (a skipped one leaves it, and the next attempt has the same number).
         step = state.global_step + 1

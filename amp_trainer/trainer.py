@@ -29,7 +29,8 @@ our scaler).
 A forward overflow (the unscaled loss already inf/NaN) is told from a gradient overflow on
 skipped steps and handled by :mod:`amp_trainer.forward_overflow` (``on_forward_overflow``): by
 default the module that overflowed becomes an FP32 island, named in one warning, recorded in
-``model.config`` (so checkpoints carry it) and restored on resume.
+``model.config`` (so checkpoints carry it) and restored on resume. A streak of skipped updates is
+replayed and its verdict acted on by :mod:`amp_trainer.skip_streak_replay` (``skip_streak_replay``).
 
 A skipped update is not a step: ``global_step``, ``max_steps`` and the epochs count applied
 updates, ``state.optimizer_step_attempts`` every attempt, and a resume continues from the batch
@@ -92,6 +93,8 @@ from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.precision_guard import PrecisionGuard, guard_run
 from amp_trainer.scaler import DynamicLossScaler
+from amp_trainer.skip_streak_replay import SkipStreakReplay
+from amp_trainer.skip_streak_replay.for_trainer import replay_for_trainer
 from amp_trainer.step_accounting import PADDING, StepAccounting, install_step_aware_handler
 from amp_trainer.training_args import AmpSeq2SeqTrainingArguments, AmpTrainingArguments
 
@@ -235,6 +238,8 @@ class AmpTrainerMixin(Trainer):
         self._underflow_logged: Any = None
         self._forward_overflow: ForwardOverflowGuard | None = None
         self.precision_guard: PrecisionGuard | None = None  # see amp_trainer.precision_guard
+        self.replay_verdicts: list[dict[str, Any]] = []  # see amp_trainer.skip_streak_replay
+        self._skip_replay: SkipStreakReplay | None = None
         self._overflow_step_loss = OverflowStepLoss()
         self._steps = StepAccounting(self)
         super().__init__(*args, **kwargs)
@@ -363,6 +368,9 @@ class AmpTrainerMixin(Trainer):
                     on_divergence=getattr(self.args, "on_divergence", "raise"),
                     forward=self._loss_of_batch,
                 )
+            replay = self._skip_replay
+            if replay is None or replay.model is not model or replay.scaler is not self.loss_scaler:
+                self._skip_replay = replay_for_trainer(self, model)
 
     def _loss_of_batch(self, model: nn.Module, inputs: Any) -> Any:
         """The forward-overflow guard's re-run of a batch: the loss this Trainer trains on.
@@ -384,6 +392,8 @@ class AmpTrainerMixin(Trainer):
             guard.observe(loss, inputs)  # no sync; read only on skipped steps
             if guard.optimizer is not self.optimizer:
                 guard.optimizer = self.optimizer  # names the learning rate if it diverges
+        if self._skip_replay is not None:
+            self._skip_replay.observe(inputs, loss)  # a reference; replayed after a skip streak
         return loss
 
     def _load_best_model(self) -> None:

@@ -26,6 +26,7 @@ from amp_trainer.forward_overflow import check_divergence_policy, check_policy
 from amp_trainer.precision import resolve_precision
 from amp_trainer.precision_guard import check_guard_mode
 from amp_trainer.scaler import DynamicLossScaler
+from amp_trainer.skip_streak_replay import check_replay_arguments
 
 __all__ = [
     "LOSS_SCALER_FIELDS",
@@ -136,6 +137,24 @@ class AmpTrainingArguments(TrainingArguments):
             "help": "End the run with LossScaleError after this many optimizer steps in a row were "
             "skipped for non-finite gradients, whatever on_min_loss_scale says: such a run no "
             "longer trains. 0 disables the limit."
+        },
+    )
+    skip_streak_replay: int = field(
+        default=8,
+        metadata={
+            "help": "fp16: after this many optimizer steps in a row were skipped (or sooner, when "
+            "the loss scale reached loss_scale_min), replay the last batch from the unchanged "
+            "weights in fp32 and fp16 at lower scales and act on the verdict (scale_warmup, "
+            "fp16_backward_range: the module made an fp32 island, data, divergence). 0 turns "
+            "it off."
+        },
+    )
+    skip_streak_quarantine: int = field(
+        default=0,
+        metadata={
+            "help": "How many batches a replay's 'data' verdict (non-finite in fp32 too while "
+            "other batches are finite) may drop, its update skipped, before the run stops with "
+            "BadBatchError naming the batch. 0: the first one stops the run."
         },
     )
     loss_scale_min: float | None = field(
@@ -252,6 +271,7 @@ class AmpTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"max_consecutive_skipped_steps must be an int >= 0 (0: no limit), got {limit!r}"
             )
+        check_replay_arguments(self.skip_streak_replay, self.skip_streak_quarantine)
         interval = self.loss_scale_underflow_check_interval
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
             raise ValueError(

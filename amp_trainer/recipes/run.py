@@ -132,6 +132,19 @@ def _describe_islands(scale: LossScaleSummary | None) -> str | None:
     return f"{scale.forward_overflows}: {islands}"
 
 
+def describe_replays(trainer: AmpTrainer) -> str | None:
+    """The summary's cell for skip-streak replays: ``0``, or ``1: fp16_backward_range (amp)``."""
+    if trainer.loss_scaler is None:
+        return None
+    verdicts = list(getattr(trainer, "replay_verdicts", []))
+    if not verdicts:
+        return "0"
+    said = [
+        v["verdict"] + (f" ({', '.join(v['modules'])})" if v["modules"] else "") for v in verdicts
+    ]
+    return f"{len(verdicts)}: {'; '.join(said)}"
+
+
 def _close_progress_bars(trainer: AmpTrainer) -> None:
     """Close the Trainer's tqdm bars now: left open, they redraw themselves at exit, after the
     line that says how to resume."""
@@ -419,6 +432,8 @@ class RecipeRun:
                 for e in trainer.state.log_history
                 if "grad_underflow" in e or "grad_headroom" in e
             ],
+            # Each skip streak's replay and its verdict (amp_trainer.skip_streak_replay).
+            "replay_verdicts": list(getattr(trainer, "replay_verdicts", [])),
             "tokens_per_second": tokens_per_s,
             "memory": memory,
             "fp16_export_passed": report.passed,
@@ -447,6 +462,7 @@ class RecipeRun:
             ("loss scale min", None if scale is None else f"{scale.minimum:.10g}"),
             ("skipped steps", None if scale is None else scale.skipped),
             ("of them forward overflows -> FP32 islands", _describe_islands(scale)),
+            ("skip-streak replays (verdicts)", describe_replays(trainer)),
             (
                 "gradient underflow (last check)",
                 describe_underflow(trainer.state.log_history),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,12 @@ def test_metrics_json_names_say_what_each_count_counts(bert_run):
     assert scale["scaler_updates"] == updates["attempts"] >= updates["applied"] == 3
     assert scale["skipped"] == updates["skipped"]
     assert "optimizer_steps" not in metrics and "steps" not in scale
+
+
+def test_neither_recipe_replays_a_skip_streak_on_a_clean_run(bert_run, gpt2_lora_run):
+    for out, result in (bert_run, gpt2_lora_run):
+        assert json.loads((out / "metrics.json").read_text())["replay_verdicts"] == []
+        assert re.search(r"skip-streak replays \(verdicts\)\s*\|?\s*0\b", result.stdout)
 
 
 def test_gpt2_recipe_with_lora_saves_an_adapter_and_a_merged_fp16_export(gpt2_lora_run):
