@@ -5,7 +5,8 @@ it is not a step: it does not count toward ``global_step``, ``max_steps`` or the
 ``state.optimizer_step_attempts`` counts every attempt. The data it read is consumed all the same:
 the run reads on, and a resume continues from the batch position actually reached, saved in
 ``trainer_state.json`` as ``train_dataloader_epoch`` / ``train_dataloader_batches_seen``. These
-are transformers' own semantics (its main branch, 2026: ``TrainerState.optimizer_step_attempts``);
+are transformers' own semantics (at an unreleased commit of its repository, in no release up to
+5.25.0: ``TrainerState.optimizer_step_attempts``);
 a transformers that has them runs its own and none of this is installed
 (:func:`stock_counts_skipped_steps`).
 
@@ -62,7 +63,8 @@ logger = logging.getLogger(__name__)
 # transformers' trainer logger (its own hierarchy, not propagated to the root logger by default).
 transformers_trainer_logger = logging.getLogger("transformers.trainer")
 
-#: The ``TrainerState`` fields transformers' main branch adds, saved in ``trainer_state.json``.
+#: The ``TrainerState`` fields transformers adds at that unreleased commit, saved in
+#: ``trainer_state.json``.
 STEP_FIELDS = ("optimizer_step_attempts", "train_dataloader_epoch", "train_dataloader_batches_seen")
 
 
@@ -78,9 +80,9 @@ def carry_step_fields_in_trainer_state() -> None:
     """Let ``TrainerState`` save and load :data:`STEP_FIELDS` (once; a no-op where it has them).
 
     Why: stock ``TrainerState.load_from_json`` is ``cls(**json)``, so a ``trainer_state.json``
-    holding a key its dataclass lacks raises ``TypeError`` (transformers main's checkpoints do,
-    on a released transformers); ``save_to_json`` writes dataclass fields only. Here loading sets
-    the known extra keys as attributes and saving writes them when a state has them (an
+    holding a key its dataclass lacks raises ``TypeError`` (checkpoints of that unreleased
+    transformers do, on a released one); ``save_to_json`` writes dataclass fields only. Here
+    loading sets the known extra keys as attributes and saving writes them when a state has them (an
     AmpTrainer's). Process-wide, because stock code calls these class methods; a state without
     the attributes (a plain Trainer's) saves exactly what it did.
     """
