@@ -128,6 +128,24 @@ AMP_TRAINER_FLAGS: tuple[Flag, ...] = (
         "int",
     ),
     Flag(
+        "skip_streak_replay",
+        "fp16: after this many optimizer steps in a row were skipped (or sooner, when the "
+        "loss scale reached loss_scale_min), replay the last batch from the unchanged weights"
+        " in fp32 and fp16 at lower scales and act on the verdict (scale_warmup, "
+        "fp16_backward_range: the module made an fp32 island, data, divergence). 0 turns it "
+        "off.",
+        8,
+        "int",
+    ),
+    Flag(
+        "skip_streak_quarantine",
+        "How many batches a replay's 'data' verdict (non-finite in fp32 too while other "
+        "batches are finite) may drop, its update skipped, before the run stops with "
+        "BadBatchError naming the batch. 0: the first one stops the run.",
+        0,
+        "int",
+    ),
+    Flag(
         "loss_scale_min",
         "The loss scale never goes below this (None: 1.0, or loss_scale_init if lower).",
         None,
@@ -169,6 +187,27 @@ AMP_TRAINER_FLAGS: tuple[Flag, ...] = (
         "island is added for it.",
         "raise",
         choices=("raise", "warn"),
+    ),
+    Flag(
+        "checkpoint_digests",
+        "Record the size and SHA-256 of every file of each checkpoint (checkpoint-"
+        "digests.json, written last) and compare them before a resume or the best-model load "
+        "reads any file: a truncated or changed file is one error naming it, and "
+        "resume_from_checkpoint=True passes a damaged checkpoint over. False: neither written"
+        " nor checked.",
+        True,
+        "bool",
+    ),
+    Flag(
+        "precision_guard",
+        "What a dtype drift does (master weights, optimizer state or gradients at a lower "
+        "precision than at the start, an FP32 island lost, FP16 forwards without the loss "
+        "scaler or the scaler without FP16 forwards): 'raise' PrecisionDriftError before the "
+        "optimizer step, 'repair' put the dtypes back and go on, 'warn' only say it, 'off' no"
+        " check. A cast under torch.no_grad() (a generation) is undone exactly in every mode "
+        "but 'off'.",
+        "raise",
+        choices=("raise", "repair", "warn", "off"),
     ),
 )
 

@@ -149,8 +149,8 @@ def test_a_config_file_that_says_fp16_true_yields_to_the_launchers_bf16(monkeypa
 
 @pytest.mark.parametrize(
     "flags",
-    [["--precision=fp16"], ["--prec", "fp16"], ["--fp16", "true"], ["--fp16"]],
-    ids=["equals", "abbreviated", "fp16-true", "bare-fp16"],
+    [["--precision=fp16"], ["--precision", "fp16"], ["--fp16", "true"], ["--fp16"]],
+    ids=["equals", "spaced", "fp16-true", "bare-fp16"],
 )
 def test_every_spelling_of_a_precision_flag_beats_the_launcher(monkeypatch, tmp_path, flags):
     run = parse_bert(monkeypatch, tmp_path, "bf16", *flags)
@@ -160,6 +160,16 @@ def test_every_spelling_of_a_precision_flag_beats_the_launcher(monkeypatch, tmp_
         f"training in fp16, {flag} on the command line: it overrides accelerate launch's "
         "mixed_precision=bf16"
     )
+
+
+def test_an_abbreviation_that_fits_two_flags_is_refused_naming_both(monkeypatch, tmp_path):
+    # --prec fits --precision and --precision_guard: argparse's refusal, not a guess.
+    with pytest.raises(
+        UsageError,
+        match=r"ambiguous option: --prec could match --precision, "
+        r"--precision_guard",
+    ):
+        parse_bert(monkeypatch, tmp_path, "bf16", "--prec", "fp16")
 
 
 @pytest.mark.parametrize("flags", [["--precision", "auto"], ["--bf16", "false"]])
