@@ -310,7 +310,7 @@ class DynamicLossScaler:
         """``optimizer``'s gradients by device and dtype, and whether no :meth:`scale` produced
         them (then they must be all zero, :meth:`unscale_` says why); FP16 ones are refused."""
         if self.precision_guard is not None:  # a cast's cause named before FP16 grads are refused
-            self.precision_guard.check(optimizer)
+            self.precision_guard.check_before_unscale(optimizer)
         groups, half_grads = group_gradients(optimizer, self._attribution.names)
         never_scaled = bool(groups) and self._stages.never_scaled(optimizer)
         if never_scaled and not all_zero(groups):

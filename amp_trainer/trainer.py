@@ -548,12 +548,16 @@ class AmpTrainerMixin(Trainer):
         self._forget_evaluation_prepare()
         self._checkpoints.report_missing_state(checkpoint)
         self._steps.begin(checkpoint)
-        output = super().train(
-            resume_from_checkpoint=checkpoint,
-            trial=trial,
-            ignore_keys_for_eval=ignore_keys_for_eval,
-            **kwargs,
-        )
+        try:
+            output = super().train(
+                resume_from_checkpoint=checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
+        finally:  # the guard's hooks and its Module._apply wrapper end with the run
+            if self.precision_guard is not None:
+                self.precision_guard.close()
         if self._steps.active and "train_loss" in output.metrics:
             output = output._replace(training_loss=output.metrics["train_loss"])  # per attempt
         return output

@@ -38,8 +38,8 @@ Example (any loop; :class:`~amp_trainer.scaler.DynamicLossScaler.watch` with a m
     ...                                     # train as usual: the step pre-hook checks
     guard.close()                           # at the end: hooks removed
 
-Cost: one pass over the optimizer's parameters (and their state) per step, no device sync; the
-``benchmarks/precision_guard.py`` script measures it side by side.
+Cost: one pass over the optimizer's parameters (and their state) per step, no device sync;
+``python -m benchmarks run precision_guard`` measures it side by side.
 
 The package: :mod:`~amp_trainer.precision_guard.drift` (the modes, :class:`PrecisionDriftError`,
 :class:`Drift`), :mod:`~amp_trainer.precision_guard.tracking` (who changed a dtype: the

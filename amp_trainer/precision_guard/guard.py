@@ -72,7 +72,8 @@ class PrecisionGuard:
         self._hooks: list[Any] = []
         self._said: set[tuple[str, str | None]] = set()
         self._islands: dict[str, nn.Module] = {}
-        self._fsdp: dict[str, Any] = {}
+        self._fsdp: dict[str, tuple[nn.Module, Any]] = {}
+        self._checked_by_scaler: torch.optim.Optimizer | None = None
         self._forwards = self._fp16_forwards = 0
         self._check_autocast = check_autocast
         self._device_type = "cpu"
@@ -97,7 +98,7 @@ class PrecisionGuard:
                 self._islands.setdefault(name, module)
             policy = _fsdp_policy(module)
             if policy is not None:
-                self._fsdp.setdefault(name, policy)
+                self._fsdp.setdefault(name, (module, policy))
         for key in [k for k, cast in self._casts.items() if cast.kept is None]:
             self._casts.pop(key)  # a cast already made good by hand: nothing to put back
         if self._check_autocast and not self._hooks:
@@ -115,8 +116,7 @@ class PrecisionGuard:
         """Check before each ``optimizer.step()`` (a torch step pre-hook); returns ``self``.
         ``only_own``: not if the optimizer updates none of this model's parameters (another
         model's, in a loop with several)."""
-        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-            optimizer = optimizer.optimizer  # Accelerate's AcceleratedOptimizer and the like
+        optimizer = _unwrapped(optimizer)
         if self.closed or any(ref() is optimizer for ref in self._optimizers):
             return self
         if only_own:
@@ -200,7 +200,18 @@ class PrecisionGuard:
                     self._act(drifts, "before a training forward")
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._checked_by_scaler is optimizer:  # checked a moment ago, before unscaling
+            self._checked_by_scaler = None
+            return
         self.check(optimizer)
+
+    def check_before_unscale(self, optimizer: torch.optim.Optimizer) -> list[Drift]:
+        """The loss scaler's call, before it unscales (where FP16 gradients would be refused
+        with no cause named): :meth:`check`, and the step pre-hook that follows in this
+        iteration does not check again."""
+        drifts = self.check(optimizer)
+        self._checked_by_scaler = _unwrapped(optimizer)
+        return drifts
 
     # -- the check ---------------------------------------------------------------------------
     def check(self, optimizer: torch.optim.Optimizer | None = None) -> list[Drift]:
@@ -395,8 +406,8 @@ class PrecisionGuard:
 
     def _fsdp_drifts(self) -> list[Drift]:
         drifts = []
-        for name, asked in self._fsdp.items():
-            now = _fsdp_policy(self.model.get_submodule(name) if name else self.model)
+        for name, (module, asked) in self._fsdp.items():
+            now = _fsdp_policy(module)
             if now != asked:
                 drifts.append(
                     Drift("FSDP2 MixedPrecisionPolicy", (name or "<model>",), str(now), str(asked))
@@ -553,6 +564,13 @@ def guard_run(
         scaler.precision_guard = guard
         scaler.precision_guard_off = guard is None  # watch(model) builds none after this
     return guard
+
+
+def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` and the like."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -271,3 +271,38 @@ def test_a_clean_amp_trainer_run_is_bit_identical_with_the_guard_off(tmp_path):
     unguarded.train()
     assert unguarded.precision_guard is None and guarded.precision_guard.drifts_seen == []
     assert _bitwise_equal(_weights(guarded.model), _weights(unguarded.model))
+
+
+def test_an_fp16_step_is_checked_once_before_unscaling_not_again_by_the_step_hook():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**8).watch(model)
+    guard, checks = scaler.precision_guard, []
+    original = guard.check
+    guard.check = lambda opt=None: checks.append(opt) or original(opt)
+    for step in range(3):
+        x, y = _batch(step)
+        with torch.autocast(**FP16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert checks == [optimizer] * 3
+    optimizer.step()  # a step the scaler did not check first: the step hook checks it
+    assert len(checks) == 4
+    guard.close()
+
+
+def test_amp_trainer_closes_its_guard_when_train_returns(tmp_path):
+    from amp_trainer.precision_guard.tracking import TRACKER, ForwardWatch
+
+    trainer = _trainer(tmp_path, "raise")
+    trainer.train()
+    guard = trainer.precision_guard
+    assert guard.closed and guard.drifts_seen == []
+    assert guard not in set(TRACKER.guards)
+    hooks = [h for m in trainer.model.modules() for h in m._forward_pre_hooks.values()]
+    assert not any(isinstance(h, ForwardWatch) for h in hooks)
+    trainer.model.half()  # for inference: no FP32 copy kept behind the user's back
+    assert guard._casts == {}
