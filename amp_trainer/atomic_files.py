@@ -4,12 +4,14 @@ Every file the library leaves behind (cached tokenizers, metrics.json, reports, 
 through here: the content is written to a temporary file in the target's own folder (same file
 system, so the rename is atomic) and renamed over the target; on any failure the temporary file
 is removed. ``accelerate launch`` ranks that build the same cache entry at once are safe too.
+:func:`sha256_of` is how such a file is recognised later (export reports, checkpoint digests).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
@@ -19,7 +21,13 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "is_disk_full", "write_json_atomic", "write_text_atomic"]
+__all__ = [
+    "atomic_path",
+    "is_disk_full",
+    "sha256_of",
+    "write_json_atomic",
+    "write_text_atomic",
+]
 
 
 @contextlib.contextmanager
@@ -107,3 +115,12 @@ def _finite_or_none(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite_or_none(item) for item in value]
     return value
+
+
+def sha256_of(file: str | os.PathLike[str]) -> str:
+    """The hex SHA-256 of ``file``, read in 1 MiB blocks (weights files can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -10,10 +10,9 @@ written atomically by the main process once every rank wrote its part, before th
 marker is removed. A resume compares each listed file with it before anything reads one
 (:func:`why_damaged`); a file that differs is named with what was expected and what was found.
 
-SHA-256 because it is the fastest of hashlib's digests where the CPU has SHA instructions (x86
-since 2017, ARMv8): 1.7 GB/s against BLAKE2b's 0.8 GB/s on this project's test machines. Files
-are hashed on a few threads (hashlib releases the GIL), so the cost is about one more read of
-the checkpoint from the page cache it was just written to.
+SHA-256 because it is the fastest of hashlib's digests where the CPU has SHA instructions
+(SHA-NI on x86, ARMv8's); without them BLAKE2b would be faster. Files are hashed on a few
+threads (hashlib releases the GIL); ``python -m benchmarks run checkpoint`` measures the cost.
 
 What the digests guard: bytes changed or lost after the save (a disk, a copy, a transfer, a
 partial sync). Not a deliberate change: whoever can rewrite a file can rewrite the list too.
@@ -27,14 +26,13 @@ warning. A checkpoint without the list (saved by an older version, or with
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from amp_trainer.atomic_files import write_json_atomic
+from amp_trainer.atomic_files import sha256_of, write_json_atomic
 from amp_trainer.checkpointing.layout import INCOMPLETE_MARKER
 
 __all__ = [
@@ -50,15 +48,13 @@ __all__ = [
 DIGEST_FILE = "checkpoint-digests.json"
 ALGORITHM = "sha256"
 _FORMAT = 1
-_CHUNK = 8 << 20
 # Files never listed: the list itself and the marker that is removed after it.
 _UNLISTED = {DIGEST_FILE, INCOMPLETE_MARKER}
 
 
 def file_digest(path: Path) -> str:
     """The hex SHA-256 of the file at ``path``."""
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, ALGORITHM).hexdigest()
+    return sha256_of(path)
 
 
 def _workers(count: int) -> int:
@@ -114,7 +110,7 @@ def _mismatch(folder: Path, name: str, entry: dict[str, Any]) -> str | None:
     """What is wrong with listed file ``name`` (``None``: it matches its entry)."""
     path = folder / name
     size, digest = entry["size"], entry[ALGORITHM]
-    if ".." in Path(name).parts:
+    if ".." in Path(name).parts or Path(name).is_absolute():
         return f"{folder / DIGEST_FILE} lists {name}, outside its folder"
     if not path.is_file():
         return None  # a missing file is named by the checks that know what it costs

@@ -9,7 +9,6 @@ output folder is replaced only when an earlier export wrote every file in it.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 from torch import nn
+
+from amp_trainer.atomic_files import sha256_of
 
 logger = logging.getLogger(__name__)
 
@@ -261,15 +262,6 @@ def check_free_space(folder: Path, needed: int) -> None:
             f"no space left on device for the FP16 export in {folder}: it needs about "
             f"{human_bytes(needed)}, {human_bytes(free)} free",
         )
-
-
-def sha256_of(file: Path) -> str:
-    """The hex SHA-256 of ``file``, read in 1 MiB blocks (weights files can be gigabytes)."""
-    digest = hashlib.sha256()
-    with open(file, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def digests(folder: Path, skip: Collection[str] = ()) -> dict[str, str]:

@@ -81,8 +81,10 @@ def _contents(folder: Path) -> str:
     return "it holds " + ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
 
 
-def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
+def resolve_checkpoint(value: str | None, output_dir: str, *, digests: bool = True) -> str | None:
     """The ``checkpoint-N`` folder ``--resume_from_checkpoint value`` means (``None``: none).
+    ``digests``: pass over a checkpoint whose files differ from its digest list
+    (``--checkpoint_digests``).
 
     ``true``: the last checkpoint in ``output_dir``; a folder with ``trainer_state.json``: that
     checkpoint; another folder: its last ``checkpoint-N``. Anything else is a
@@ -114,7 +116,7 @@ def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
         if missing is None:
             return str(folder)
         if _STEP.fullmatch(folder.name) or (folder / INCOMPLETE_MARKER).is_file():
-            earlier = last_complete_checkpoint(folder.parent)
+            earlier = last_complete_checkpoint(folder.parent, digests=digests)
             raise UsageError(
                 f"--resume_from_checkpoint {said} is an incomplete checkpoint ({missing}: "
                 "interrupted while saving?); "
@@ -126,7 +128,7 @@ def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
             f"folder ({_contents(folder)}); pass a run folder with checkpoints (--save_strategy "
             "not 'no') or a checkpoint-N folder"
         )
-    last = last_complete_checkpoint(folder)
+    last = last_complete_checkpoint(folder, digests=digests)
     if last is None:
         raise UsageError(
             f"--resume_from_checkpoint {said}: no checkpoint in {str(folder)!r} is complete "
@@ -175,7 +177,8 @@ def settle_run_folder(training_args: Any, argv: Sequence[str], *, reuse: bool) -
     if not explicit_dir and str(value).strip().lower() in _TRUE:
         # "true" with the config's folder: the latest run of that name (runs/bert_offline-3).
         training_args.output_dir = str(_latest_run(Path(training_args.output_dir)))
-    checkpoint = resolve_checkpoint(value, training_args.output_dir)
+    digests = getattr(training_args, "checkpoint_digests", True)
+    checkpoint = resolve_checkpoint(value, training_args.output_dir, digests=digests)
     training_args.resume_from_checkpoint = checkpoint
     if explicit_dir:
         return
@@ -239,7 +242,9 @@ def resume_command(argv: Sequence[str], output_dir: str, checkpoint: str | None 
             continue
         kept.append(arg)
     prefix, _ = launcher_prefix()
-    last = checkpoint or last_complete_checkpoint(output_dir)
+    # Completeness only: the resume itself compares the digests (hashing every checkpoint here
+    # would hold up a Ctrl-C for as long as it takes to read them all).
+    last = checkpoint or last_complete_checkpoint(output_dir, digests=False)
     return shlex.join(
         [*prefix, sys.argv[0], *kept, "--output_dir", output_dir, "--resume_from_checkpoint", last]
     )
@@ -291,7 +296,7 @@ def _resume_with(argv: Sequence[str], output_dir: str, checkpoint: str | None = 
 
 def interrupted(argv: Sequence[str], output_dir: str) -> ResumeInterrupted:
     """The one-line :class:`ResumeInterrupted` for a Ctrl-C while training into ``output_dir``."""
-    last = last_complete_checkpoint(output_dir)
+    last = last_complete_checkpoint(output_dir, digests=False)  # as in resume_command
     if last is not None:
         return ResumeInterrupted(
             f"interrupted; {Path(last).name} is the last checkpoint. "

@@ -10,7 +10,7 @@ loading. Medians over ``--repeats``; the files are in the page cache, as right a
 
 Usage::
 
-    python -m benchmarks run checkpoint                 # ~1 min on 2 cores
+    python -m benchmarks run checkpoint                 # ~20 s on 2 cores
     python -m benchmarks run checkpoint --quick         # smoke run, seconds
 """
 

@@ -4,7 +4,7 @@ before anything reads one: damaged bytes are one error naming the file, never a 
 A real 4-step run (tiny BERT, CPU FP16) saves checkpoint-2 and checkpoint-4; copies of them are
 damaged as a disk or a copy would damage them (a flipped byte, a cut-off file) and resumed
 through the real ``AmpTrainer.train``. The two-rank FSDP2 cases (shards, ``.metadata``) are in
-tests/distributed/test_fsdp2_damaged_checkpoint.py.
+tests/distributed/test_fsdp2_checkpoint_checks.py.
 """
 
 from __future__ import annotations
