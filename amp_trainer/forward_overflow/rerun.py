@@ -42,6 +42,7 @@ __all__ = [
     "ForwardRerun",
     "NonFiniteForwardError",
     "check_policy",
+    "default_forward",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ def _exactly(name: str) -> re.Pattern[str]:
     return re.compile(re.escape(name))
 
 
-def _default_forward(model: nn.Module, inputs: Any) -> Any:
+def default_forward(model: nn.Module, inputs: Any) -> Any:
+    """``model(**inputs)``, ``model(*inputs)`` or ``model(inputs)``, as the batch is shaped."""
     if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, (list, tuple)):
@@ -134,7 +136,7 @@ class ForwardRerun:
         self.model = model
         self.judge = judge
         self.policy = check_policy(policy)
-        self.forward = forward or _default_forward
+        self.forward = forward or default_forward
         self.dtype = dtype
         self.islands: list[str] = []
 

@@ -141,7 +141,9 @@ AMP_TRAINER_FLAGS: tuple[Flag, ...] = (
         "skip_streak_quarantine",
         "How many batches a replay's 'data' verdict (non-finite in fp32 too while other "
         "batches are finite) may drop, its update skipped, before the run stops with "
-        "BadBatchError naming the batch. 0: the first one stops the run.",
+        "BadBatchError naming the batch. 0: the first one stops the run. (A batch whose loss "
+        "itself is non-finite is the forward-overflow guard's first: with "
+        "on_forward_overflow='fp32' and no quarantine it stops with NonFiniteForwardError.)",
         0,
         "int",
     ),

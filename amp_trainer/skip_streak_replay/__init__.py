@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from amp_trainer.forward_overflow.divergence import DivergenceJudge
-from amp_trainer.islands import keep_in_fp32, record_fp32_islands
+from amp_trainer.islands import is_fp32_island, keep_in_fp32, record_fp32_islands
 from amp_trainer.numerics import describe_module, nonfinite_inputs
 from amp_trainer.scaler import DynamicLossScaler
 from amp_trainer.skip_streak_replay.passes import ReplayPass
@@ -160,7 +160,7 @@ class SkipStreakReplay:
         self._step_batches: list[dict[str, Any]] = []  # the micro-batches of the step under way
         self._recent: deque[dict[str, Any]] = deque(maxlen=_OTHER_BATCHES + 1)
         self._skips = 0
-        self._replayed: str | None = None  # this streak's replay: "streak", "at_min" or None
+        self._replayed_at_min = False  # this streak has had its replay at min_scale
         self._scale_at_start: float | None = None  # the scale the streak's first step ran with
         self._scale = scaler.get_scale()  # the scale the next step runs with
         self._attempts = 0
@@ -205,7 +205,7 @@ class SkipStreakReplay:
             self._scale = self.scaler.get_scale()
             return entry
         if not skipped or handled:
-            self._skips, self._replayed, self._scale_at_start = 0, None, None
+            self._skips, self._replayed_at_min, self._scale_at_start = 0, False, None
             return None
         if self._skips == 0:
             self._scale_at_start = scale_before
@@ -213,10 +213,10 @@ class SkipStreakReplay:
         # The next overflow at min_scale ends the run: replay then too, even after an earlier
         # verdict of this streak (scale_warmup proved another batch finite at min_scale).
         at_min = self.scaler.get_scale() <= self.scaler.policy.min_scale
-        due = self._skips == self.streak or (at_min and self._replayed != "at_min")
+        due = self._skips == self.streak or (at_min and not self._replayed_at_min)
         if not due:  # the same on every rank (the found-inf flag is reduced): they gather
             return None
-        self._replayed = "at_min" if at_min else "streak"
+        self._replayed_at_min = at_min
         entry = self._replay(step, batches, scale_before)
         self._scale = self.scaler.get_scale()
         return entry
@@ -376,14 +376,24 @@ class SkipStreakReplay:
         )
 
     def _act_fp16_backward_range(self, entry: dict, scale_before: float) -> dict:
-        names = entry["modules"]
-        if names:
-            self.make_islands(names)
+        names = [n for n in entry["modules"] if not is_fp32_island(self.model.get_submodule(n))]
+        if not names:  # nothing new to keep in FP32: resetting the scale would only loop
+            logger.warning(
+                "Step %d: %d skipped updates in a row; the replay finds the gradients finite in "
+                "FP32 and non-finite in FP16 at every scale, but no module it could name that "
+                "is not already FP32 (%s): nothing it can fix, the scaler goes on backing off.",
+                entry["step"],
+                self._skips,
+                ", ".join(entry["modules"]) or "none named",
+            )
+            return {}
+        entry["modules"] = names
+        self.make_islands(names)
         scale = self._restored_scale()
         self.scaler.update(new_scale=scale)
         entry["scale"] = scale
-        self._skips, self._replayed = 0, None
-        where = ", ".join(describe_module(self.model, n) for n in names) or "no module found"
+        self._skips, self._replayed_at_min = 0, False
+        where = ", ".join(describe_module(self.model, n) for n in names)
         return self._record(
             entry,
             logging.WARNING,
@@ -412,7 +422,7 @@ class SkipStreakReplay:
             scale /= _RESTORE_STEP
         candidates.append(float(policy.min_scale))
         chosen = candidates[-1]
-        records = [r for r in list(self._recent)[-1:]]
+        records = list(self._recent)[-1:]
         try:
             for scale in candidates:
                 if all(self.passes.run(r["inputs"], fp16=True, scale=scale)[0] for r in records):
@@ -428,7 +438,7 @@ class SkipStreakReplay:
             self.quarantined.append(entry)
             entry["quarantined"] = True
             self.scaler.undo_backoff(scale_before)  # the data, not the scale: put it back
-            self._skips, self._replayed = 0, None
+            self._skips, self._replayed_at_min = 0, False
             return self._record(
                 entry,
                 logging.WARNING,

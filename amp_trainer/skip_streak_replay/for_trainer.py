@@ -37,11 +37,12 @@ def replay_for_trainer(trainer: Any, model: nn.Module) -> SkipStreakReplay | Non
     def locate(record: dict[str, Any]) -> list[int] | None:
         """Dataset indices of a batch's rows: known for a sequential sampler on one process."""
         loader = getattr(trainer.callback_handler, "train_dataloader", None)
-        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        batches = getattr(loader, "batch_sampler", None)
+        sampler = getattr(batches, "sampler", None)
         sequential = isinstance(sampler, torch.utils.data.SequentialSampler)
-        if not sequential or args.world_size > 1 or record.get("position") is None:
+        size = getattr(batches, "batch_size", None)  # the loader's: auto_find_batch_size, DP
+        if not sequential or not size or args.world_size > 1 or record.get("position") is None:
             return None
-        size = args.per_device_train_batch_size
         start = record["position"] * size
         return list(range(start, start + size))
 

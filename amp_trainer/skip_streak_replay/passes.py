@@ -17,20 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from amp_trainer.forward_overflow.rerun import default_forward
 from amp_trainer.numerics import all_finite, iter_tensors
 from amp_trainer.precision import without_autocast_wrapper
 
-__all__ = ["ReplayPass", "default_forward"]
+__all__ = ["ReplayPass"]
 
 _ROWS_SEARCHED = 64  # a batch with more rows is named as a whole when no input holds inf/NaN
-
-
-def default_forward(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (list, tuple)):
-        return model(*inputs)
-    return model(inputs)
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:

@@ -2,10 +2,10 @@
 
 Launched by tests/distributed/test_skip_streak_replay_distributed.py with
 ``torch.distributed.run`` (gloo, CPU, DDP). Rank 1 trains on data whose gradients overflow the
-model's FP16 backward at every loss scale; rank 0 on data 1000 times smaller, whose own replay
-would say ``scale_warmup`` (its gradients fit FP16 at scale 1). The found-inf flag is reduced, so
-both ranks skip together; the replay's findings are gathered, so both make the same FP32 island
-and restore the same scale. Each rank writes ``<out_dir>/rank<N>.json``.
+model's FP16 backward at every loss scale; rank 0 on all-zero inputs whose targets are the
+model's own outputs (a zero loss), whose own replay would say ``scale_warmup``. The found-inf
+flag is reduced, so both ranks skip together; the replay's findings are gathered, so both make
+the same FP32 island and restore the same scale. Each rank writes ``<out_dir>/rank<N>.json``.
 """
 
 from __future__ import annotations
