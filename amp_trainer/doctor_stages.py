@@ -62,6 +62,9 @@ class StageResult:
     module the :class:`OverflowProbe` caught (FP16 range in the FP16 stages, inf/NaN in FP32),
     ``overflow_step`` the step it happened in. ``nonfinite_grads`` names the parameters whose
     gradients were non-finite (from the scaler's attribution in the AMP stage).
+    ``skipped_steps`` counts every skipped attempt, the warm-down's too: until the scaler's first
+    applied update a skip only backs the scale off and the same step is tried again, as a training
+    run's first steps do, so a scale that starts too high is not read as a failure.
     """
 
     name: str
@@ -190,7 +193,16 @@ def run_stage(
     bad_grads: tuple[str, ...] = ()
     skipped = 0
     uniform: float | None = None
-    for step in range(steps):
+    # The scaler's warm-down: until its first applied update, a skipped step that backs the scale
+    # off is the scaler finding its scale (what a training run does in its first steps), not a
+    # failure, so it does not use up one of the stage's steps. Bounded by the halvings from
+    # ``loss_scale`` to the minimum; below that a skip counts as before.
+    warm_down_left = (
+        int(math.log2(loss_scale / scaler.policy.min_scale)) if scaler is not None else 0
+    )
+    applied = 0
+    step = 0
+    while step < steps:
         optimizer.zero_grad(set_to_none=True)
         with (
             OverflowProbe(work, limit=limit) as probe,
@@ -215,6 +227,12 @@ def run_stage(
             if scaler.step_was_skipped:
                 skipped += 1
                 bad_grads = bad_grads or scaler.stats.last_overflow_params
+                if applied == 0 and warm_down_left > 0:
+                    warm_down_left -= 1
+                    losses.pop()  # the same step again, from the same weights
+                    continue
+            else:
+                applied += 1
         else:
             loss.backward()
             found = _nonfinite_grads(work)
@@ -222,8 +240,9 @@ def run_stage(
                 bad_grads, first_bad = found, step
                 break
             optimizer.step()
-    if scaler is not None and skipped == steps and first_bad is None:
-        first_bad = 0  # every step overflowed: nothing was ever applied
+        step += 1
+    if scaler is not None and applied == 0 and first_bad is None:
+        first_bad = 0  # every step overflowed, down to the minimum scale: nothing was applied
     return StageResult(
         name=name,
         precision=precision,
