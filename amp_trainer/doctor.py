@@ -13,7 +13,8 @@ rules out one cause:
 4. rerun at lr/10 (then /100, /1000): "fine for a few steps, then NaN" is usually the learning
    rate;
 5. when every stage is finite, the scaler's other danger: how much of the gradient FP16 flushes
-   to zero at the run's loss scale (:mod:`amp_trainer.underflow`), "the loss is a flat line".
+   to zero at the run's loss scale (:mod:`amp_trainer.underflow`), "the loss is a flat line",
+   and how much it flushes at every usable scale (no loss scale fixes that: bf16 or FP32 does).
 
 :func:`diagnose` runs all of them on *copies* of the model (the caller's model, optimizer and
 RNG-free state are untouched) and one batch, with forward hooks (:class:`OverflowProbe`) that name
@@ -142,6 +143,11 @@ class Diagnosis:
             lines.append(
                 f"  5. underflow at loss scale {reading.scale:g}: {100 * reading.underflow:.2f}% "
                 f"of the gradient flushed to zero{headroom}"
+                + (
+                    f"; {100 * reading.unreachable:.2f}% at every usable scale"
+                    if reading.unreachable
+                    else ""
+                )
             )
         return "\n".join(lines)
 
@@ -338,7 +344,10 @@ def diagnose(
         )
     )
     reading = _underflow_reading(model, batch, common)
-    if reading.underflow is not None and reading.underflow > _UNDERFLOW_VERDICT:
+    if any(
+        share is not None and share > _UNDERFLOW_VERDICT
+        for share in (reading.underflow, reading.unreachable)
+    ):
         return _underflow_diagnosis(reading, tuple(stages))
     return Diagnosis(
         Verdict.HEALTHY,
@@ -364,6 +373,8 @@ def _underflow_reading(
 
 
 def _underflow_diagnosis(reading: UnderflowReading, stages: tuple[StageResult, ...]) -> Diagnosis:
+    if reading.unreachable is not None and reading.unreachable > _UNDERFLOW_VERDICT:
+        return _unreachable_diagnosis(reading, stages)
     worst = sorted(reading.by_param.items(), key=lambda item: -item[1])[:3]
     where = ", ".join(f"{name} {100 * share:.0f}%" for name, share in worst)
     fix_scale = reading.fixing_scale
@@ -388,6 +399,35 @@ def _underflow_diagnosis(reading: UnderflowReading, stages: tuple[StageResult, .
         "parameters barely learn, and the loss looks like a flat line.",
         fix,
         worst[0][0] if worst else None,
+        stages,
+        reading,
+    )
+
+
+def _unreachable_diagnosis(reading: UnderflowReading, stages: tuple[StageResult, ...]) -> Diagnosis:
+    """Gradient FP16 flushes at every scale that does not overflow: a loss scale is no fix (the
+    largest gradient caps it), so the verdict names FP32 for the modules owning those
+    parameters, or bf16 for all."""
+    names = reading.unreachable_params
+    modules = sorted({name.rpartition(".")[0] or name for name in names})
+    where = ", ".join(f"{n} {100 * reading.unreachable_by_param[n]:.0f}%" for n in names[:3])
+    also = ""
+    if reading.underflow is not None and reading.underflow > _UNDERFLOW_VERDICT:
+        also = (
+            f" Another {100 * reading.underflow:.1f}% is flushed at {reading.scale:g} that a "
+            f"scale of {reading.fixing_scale:g} keeps."
+        )
+    return Diagnosis(
+        Verdict.GRADIENT_UNDERFLOW,
+        f"every stage is finite, but FP16 flushes {100 * reading.unreachable:.1f}% of the "
+        f"gradient to zero at every loss scale that does not overflow "
+        f"({reading.unreachable_elements} elements, zero even at {reading.reference_scale:g}, "
+        f"the highest that does not; most: {where}): no loss scale fixes it, and those "
+        "parameters never learn in FP16." + also,
+        "Train in bf16 (FP32's exponent range), or keep the modules that own those parameters "
+        f"in FP32 (fp32_modules={modules!r} / keep_in_fp32(model, {modules!r})), with any "
+        "FP16 op between them and the loss.",
+        names[0] if names else None,
         stages,
         reading,
     )

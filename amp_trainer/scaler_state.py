@@ -40,7 +40,9 @@ class ScalerStats:
     ``grad_underflow`` (0..1) and ``grad_headroom`` are the last
     :meth:`~DynamicLossScaler.check_underflow` reading's share flushed to zero and doublings left
     (``None`` before any), ``underflow_by_param`` its share per parameter, ``underflow_growths``
-    the growths the two-sided rule made.
+    the growths the two-sided rule made; ``grad_unreachable`` its share that FP16 flushes at
+    every usable scale (``None`` when not probed) and ``unreachable_params`` the parameters
+    holding it, most first.
     """
 
     scale: float
@@ -55,6 +57,8 @@ class ScalerStats:
     grad_headroom: float | None = None
     underflow_growths: int = 0
     underflow_by_param: Mapping[str, float] = field(default_factory=dict)
+    grad_unreachable: float | None = None
+    unreachable_params: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, scale: float, policy: Any, attribution: Any, reading: Any) -> ScalerStats:
@@ -74,6 +78,8 @@ class ScalerStats:
             grad_headroom=None if reading is None else reading.headroom,
             underflow_growths=policy.underflow_growths,
             underflow_by_param=dict(reading.by_param) if reading else {},
+            grad_unreachable=None if reading is None else reading.unreachable,
+            unreachable_params=() if reading is None else reading.unreachable_params,
         )
 
 

@@ -505,6 +505,8 @@ class AmpTrainerMixin(Trainer):
                     logs["grad_underflow"] = reading.underflow
                 if reading.headroom is not None:
                     logs["grad_headroom"] = reading.headroom
+                if reading.unreachable is not None:  # flushed at every usable scale
+                    logs["grad_unreachable"] = reading.unreachable
             if self._forward_overflow is not None:
                 logs["fp32_islands_added"] = len(self._forward_overflow.islands)
             self._overflow_step_loss.add_to(logs)

@@ -118,8 +118,8 @@ class AmpTrainingArguments(TrainingArguments):
         metadata={
             "help": "fp16: every N optimizer steps (and on the first), measure the share of the "
             "gradient FP16 flushes to zero at the current loss scale and the doublings of scale "
-            "left (log keys grad_underflow, grad_headroom): two extra backward passes on that "
-            "step. 0 turns the meter off."
+            "left (log keys grad_underflow, grad_headroom, grad_unreachable): about five extra "
+            "backward passes on that step (up to 11). 0 turns the meter off."
         },
     )
     loss_scale_grow_on_underflow: bool = field(

@@ -19,14 +19,24 @@ What is measured, on the step's own loss and graph (nothing is re-run forward):
 
 Both backward passes keep the graph (``retain_graph=True``) and write no ``.grad``: the real
 backward that follows is untouched, bit for bit, and no RNG stream, buffer or optimizer state is
-read or written. The cost is two backward passes on the steps that check, and one gradient-sized
-copy at a time in memory.
+read or written. The cost is two backward passes on the steps that check (up to eight when the
+reference overflows in an activation and is bisected), three more for the probe below, one
+gradient-sized copy at a time and a bool mask of the gradient's size in memory.
 
 ``headroom``: doublings of S left before the largest scaled gradient that went through FP16
 overflows 65504: ``log2(65504 / max|S * g|)`` over the parameters whose gradients hold only FP16
 values (an autocast matmul's weight gradient); FP32-computed gradients (norms kept in FP32,
 embeddings) cannot overflow FP16 and do not count. Activation gradients are not seen, so when
-the reference run at ``S_ref`` overflows, the headroom is capped below it.
+a reference try overflows, the bisection closes to one doubling and the headroom is capped at
+the highest whole number of doublings that ran finite: a lower bound, exact in whole doublings.
+
+The blind spot of (3), and the probe that covers it: an element FP16 flushes at every usable
+scale is zero at S and at ``S_ref`` alike, so ``underflow`` counts it nowhere (two parallel
+heads, one with its loss multiplied by 1e-9, read 0 % where an FP32 backward finds half the
+gradient flushed). The probe runs the backward at the first overflowing scale and 16 and 32
+doublings above it; an element zero at ``S_ref`` and finite and nonzero there is *unreachable*
+(``unreachable``, named per parameter). No scale fixes it: ``fixable`` is ``False`` above
+:data:`UNDERFLOW_TARGET`, and bf16, or FP32 for the modules owning it, is the fix.
 """
 
 from __future__ import annotations
@@ -48,7 +58,15 @@ __all__ = ["UnderflowChecks", "UnderflowReading", "measure_underflow", "setup_pi
 
 _SMALLEST_SUBNORMAL_EXP = -24  # 2**-24, FP16's smallest subnormal
 _MAX_REFERENCE_DOUBLINGS = 40
-_REFERENCE_TRIES = 4
+# One try at what the headroom promises, then enough bisection steps to close [0, 41) to a single
+# doubling: the reference is then the highest usable power of two, exactly.
+_REFERENCE_TRIES = 1 + math.ceil(math.log2(_MAX_REFERENCE_DOUBLINGS + 1))
+# The probe past the first overflowing scale: backward passes at S * 2**(hi + 16 j), j < 3. A
+# stride under FP16's 40 doublings keeps an element that turns nonzero between two probes finite
+# at the next; three reach gradients 2**-33 below FP16's smallest subnormal at the highest usable
+# scale (a branch whose loss is 1e-9 of the rest).
+_PROBE_STRIDE = 16
+_PROBES = 3
 
 
 @dataclass(frozen=True)
@@ -69,11 +87,21 @@ class UnderflowReading:
         fixing_scale: the smallest power of two at which at most :data:`UNDERFLOW_TARGET` of
             those elements would be flushed, never above what the headroom allows; ``None`` if
             not measured.
-        fixable: whether ``fixing_scale`` reaches that target within the headroom (``False``:
-            FP16's range cannot hold both the smallest and the largest gradients; bf16 can).
+        fixable: whether ``fixing_scale`` reaches that target within the headroom and no more
+            than that target (:data:`UNDERFLOW_TARGET`, 0.1 %) of the gradient is
+            ``unreachable`` (``False``: FP16's range cannot hold both the smallest and the
+            largest gradients; bf16 can).
         fp16_gradients: whether any gradient holds FP16 values: ``False`` means no FP16 ran in
             the backward, so loss scaling is pure cost.
         by_param: parameter name -> its share flushed (parameters with a nonzero reference).
+        unreachable: share (0..1) of the gradient that FP16 flushes at every usable scale:
+            elements zero at ``reference_scale`` (the highest power of two that does not
+            overflow) and nonzero at a higher, overflowing one, over those plus the ``nonzero``
+            ones. ``underflow`` cannot see them (they are zero at both of its scales) and no
+            loss scale can fix them. ``None`` when not probed (no reference, or no higher scale
+            was seen to overflow).
+        unreachable_elements: how many elements that share counts.
+        unreachable_by_param: parameter name -> its share unreachable (parameters with any).
     """
 
     scale: float
@@ -86,6 +114,16 @@ class UnderflowReading:
     fixable: bool = True
     fp16_gradients: bool = True
     by_param: Mapping[str, float] = field(default_factory=dict)
+    unreachable: float | None = None
+    unreachable_elements: int = 0
+    unreachable_by_param: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def unreachable_params(self) -> tuple[str, ...]:
+        """The parameters with gradient FP16 cannot reach at any usable scale, most first: the
+        modules owning them are the ones to train in FP32 (or the whole model in bf16)."""
+        ranked = sorted(self.unreachable_by_param.items(), key=lambda item: -item[1])
+        return tuple(name for name, _ in ranked)
 
 
 def _named(params: nn.Module | Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
@@ -142,6 +180,8 @@ class _Tally:
     reference_headroom: float = math.inf  # the same headroom read at the reference; inf: none
     flushed: list[int] = field(default_factory=list)  # per parameter (``None`` gradients: 0)
     nonzero: list[int] = field(default_factory=list)
+    probed: bool = False  # the unreachable probe ran (a scale above the reference overflowed)
+    unreachable: list[int] = field(default_factory=list)  # per parameter
     exponents: torch.Tensor = field(default_factory=lambda: torch.zeros(400, dtype=torch.float64))
 
 
@@ -175,6 +215,7 @@ def _local_tally(
         fp16_seen=fp16_seen,
         flushed=[0] * len(named),
         nonzero=[0] * len(named),
+        unreachable=[0] * len(named),
     )
     if not finite:  # the step overflows at this scale: no doubling is left, nothing to compare
         return tally
@@ -186,7 +227,7 @@ def _local_tally(
     if headroom is not None:
         hi = max(1, min(hi, math.floor(headroom) + 1))
     hi = min(hi, math.floor(math.log2(3.0e38 / scale)) + 1)
-    reference, doublings = None, 0
+    reference, doublings, overflowed = None, 0, False
     for attempt in range(_REFERENCE_TRIES):
         if hi - lo <= 1:
             break
@@ -198,18 +239,23 @@ def _local_tally(
         else:
             # The reference overflowed where the parameter gradients did not: an activation
             # gradient is larger, and the true headroom is below this.
-            hi = trial
-            headroom = trial - 1 if headroom is None else min(headroom, trial - 1)
-            tally.cap = min(tally.cap, trial - 1)
+            hi, overflowed = trial, True
         del candidate
+    if overflowed:
+        # The headroom is capped at the highest number of doublings seen finite: a lower bound,
+        # exact in whole doublings once the bisection closed (hi == lo + 1). Not ``hi - 1``
+        # before it closed: that doubling may overflow too.
+        tally.cap = float(lo)
     if reference is None:
         return tally
 
     tally.has_reference = True
     tally.reference_scale = reference_scale = scale * 2.0**doublings
     largest_ref = 0.0
+    zero_at_reference: list[torch.Tensor | None] = []
     with torch.no_grad():
         for index, (ref, zero) in enumerate(zip(reference, zero_at_scale)):
+            zero_at_reference.append(None if ref is None else ref == 0)
             if ref is None:
                 continue
             nonzero = ref != 0
@@ -231,7 +277,55 @@ def _local_tally(
             )
     if largest_ref > 0:
         tally.reference_headroom = math.log2(FP16_MAX * 2.0**doublings / largest_ref)
+    del reference
+    if hi == doublings + 1:  # the reference is the highest usable power of two, or the meter
+        # cannot tell what lies between it and the first overflow: then no probe
+        _probe_unreachable(loss, tensors, zero_at_reference, scale, hi, overflowed, tally)
     return tally
+
+
+def _probe_unreachable(
+    loss: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    zero_at_reference: list[torch.Tensor | None],
+    scale: float,
+    first_overflow: int,
+    overflowed: bool,
+    tally: _Tally,
+) -> None:
+    """Count, into ``tally.unreachable``, the elements zero at the highest usable scale
+    (``scale * 2**(first_overflow - 1)``) that turn finite and nonzero at a higher, overflowing
+    one: gradient FP16 flushes at every scale the step can run with.
+
+    Why this works with no FP32 forward: scaling by a power of two changes which FP16 values
+    flush or overflow and nothing else, so an element that a larger scale makes nonzero is a
+    true gradient that FP16's range loses; the overflow elsewhere (the large gradients, which
+    cap the scale) does not reach a branch that does not share it. What it cannot see: an
+    element whose own path overflows before it stops flushing, and gradients more than
+    ``2**-(16 * _PROBES + 1)`` below FP16's smallest subnormal at the highest usable scale.
+
+    ``overflowed``: a backward at ``first_overflow`` doublings was seen non-finite; if not (the
+    ceiling came from the parameter gradients' headroom), the first probe must show it, or
+    nothing is counted (the usable scales may go higher than the meter knows).
+    Costs up to :data:`_PROBES` backward passes and one bool mask per parameter.
+    """
+    limit = math.floor(math.log2(3.0e38 / scale)) - 1  # keep the loss finite in FP32
+    for probe in range(_PROBES):
+        doublings = first_overflow + probe * _PROBE_STRIDE
+        if doublings > limit:
+            break
+        grads = _grads(loss, tensors, scale * 2.0**doublings)
+        if probe == 0 and not overflowed and _finite(grads):
+            return  # the scale above the reference is usable after all: no probe
+        tally.probed = True
+        with torch.no_grad():
+            for index, (grad, pending) in enumerate(zip(grads, zero_at_reference)):
+                if grad is None or pending is None:
+                    continue
+                reached = pending & (grad != 0) & torch.isfinite(grad)
+                tally.unreachable[index] += int(reached.sum())
+                pending &= ~reached  # counted once, at the first probe that reaches it
+        del grads
 
 
 def _reduce_tally(tally: _Tally, process_group: Any, device: torch.device) -> _Tally:
@@ -239,7 +333,7 @@ def _reduce_tally(tally: _Tally, process_group: Any, device: torch.device) -> _T
     OR-ed, headrooms and the reference scale the lowest of any rank (the gradient nearest to
     overflow decides for all), so every rank reads the same figures and the two-sided rule takes
     the same decision on each (as the found-inf flag is reduced for the skip). Two all-reduces
-    of ``2 * parameters + 400`` and 8 numbers, on the checked steps only, on ``device`` (the
+    of ``3 * parameters + 400`` and 9 numbers, on the checked steps only, on ``device`` (the
     loss's; the CPU under gloo)."""
     import torch.distributed as dist
 
@@ -247,7 +341,7 @@ def _reduce_tally(tally: _Tally, process_group: Any, device: torch.device) -> _T
         device = torch.device("cpu")
     sums = torch.cat(
         [
-            torch.tensor(tally.flushed + tally.nonzero, dtype=torch.float64),
+            torch.tensor(tally.flushed + tally.nonzero + tally.unreachable, dtype=torch.float64),
             tally.exponents.double().cpu(),
         ]
     ).to(device)
@@ -262,6 +356,7 @@ def _reduce_tally(tally: _Tally, process_group: Any, device: torch.device) -> _T
             -tally.cap,
             -tally.reference_scale,
             -tally.reference_headroom,
+            float(tally.probed),
         ],
         dtype=torch.float64,
     ).to(device)
@@ -281,7 +376,9 @@ def _reduce_tally(tally: _Tally, process_group: Any, device: torch.device) -> _T
         reference_headroom=-extremes[7],
         flushed=[int(v) for v in sums[:count].tolist()],
         nonzero=[int(v) for v in sums[count : 2 * count].tolist()],
-        exponents=sums[2 * count :].clone(),
+        probed=bool(extremes[8]),
+        unreachable=[int(v) for v in sums[2 * count : 3 * count].tolist()],
+        exponents=sums[3 * count :].clone(),
     )
 
 
@@ -305,6 +402,19 @@ def _reading(tally: _Tally, names: Sequence[str]) -> UnderflowReading:
     if headroom is None and tally.fp16_seen and tally.reference_headroom < math.inf:
         headroom = tally.reference_headroom
     fixing, fixable = _fixing_scale(tally.exponents, scale, headroom)
+    unreachable_total = sum(tally.unreachable)
+    unreachable = None
+    if tally.probed:
+        reached = nonzero_total + unreachable_total
+        unreachable = unreachable_total / reached if reached else 0.0
+        # No scale fixes these: the rule (``underflow``, ``fixing_scale``) does not chase them,
+        # but the reading says no FP16 loss scale holds this gradient.
+        fixable = fixable and unreachable <= UNDERFLOW_TARGET
+    unreachable_by_param = {
+        name: lost / (lost + count)
+        for name, lost, count in zip(names, tally.unreachable, tally.nonzero)
+        if lost
+    }
     return UnderflowReading(
         scale=scale,
         underflow=underflow,
@@ -316,6 +426,9 @@ def _reading(tally: _Tally, names: Sequence[str]) -> UnderflowReading:
         fixable=fixable,
         fp16_gradients=tally.fp16_seen,
         by_param=by_param,
+        unreachable=unreachable,
+        unreachable_elements=unreachable_total,
+        unreachable_by_param=unreachable_by_param,
     )
 
 
@@ -331,8 +444,8 @@ def measure_underflow(
 
     ``loss`` is the step's loss *before* its backward (its graph is kept; call this, then run
     the backward as usual); ``params`` a model or its parameters (``(name, parameter)`` pairs
-    name them). Two backward passes, no forward; no ``.grad``, RNG or buffer is touched. See the
-    module docstring for what is compared.
+    name them). About five backward passes (up to 11), no forward; no ``.grad``, RNG or buffer
+    is touched. See the module docstring for what is compared.
 
     ``across_ranks=True`` (what the scaler passes) combines the readings of every rank of
     ``process_group`` (default: the world) when ``torch.distributed`` runs with more than one:

@@ -106,8 +106,8 @@ AMP_TRAINER_FLAGS: tuple[Flag, ...] = (
         "loss_scale_underflow_check_interval",
         "fp16: every N optimizer steps (and on the first), measure the share of the gradient "
         "FP16 flushes to zero at the current loss scale and the doublings of scale left (log "
-        "keys grad_underflow, grad_headroom): two extra backward passes on that step. 0 turns "
-        "the meter off.",
+        "keys grad_underflow, grad_headroom, grad_unreachable): about five extra backward "
+        "passes on that step (up to 11). 0 turns the meter off.",
         500,
         "int",
     ),

@@ -29,6 +29,8 @@ def _figures(reading) -> dict:
         "nonzero": reading.nonzero,
         "by_param": dict(reading.by_param),
         "reference_scale": reading.reference_scale,
+        "unreachable": reading.unreachable,
+        "unreachable_elements": reading.unreachable_elements,
     }
 
 
@@ -87,6 +89,9 @@ def test_ranks_that_read_different_underflow_alone_read_one_combined_figure(rank
         assert both["flushed"] == alone0["flushed"] + alone1["flushed"]
         assert both["nonzero"] == alone0["nonzero"] + alone1["nonzero"]
         assert both["underflow"] == both["flushed"] / both["nonzero"]
+        assert both["unreachable_elements"] == (
+            alone0["unreachable_elements"] + alone1["unreachable_elements"]
+        )
         # per parameter too, and the headroom is the rank nearest to overflow's.
         for name, share in both["by_param"].items():
             assert min(alone0["by_param"][name], alone1["by_param"][name]) <= share

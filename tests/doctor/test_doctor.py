@@ -10,7 +10,13 @@ from torch import nn
 
 from amp_trainer.doctor import Verdict, diagnose
 from amp_trainer.numerics import FP16_MAX, OverflowProbe
-from tests.helpers.tiny_models import bert_batch, make_tiny_bert, make_tiny_gpt2
+from tests.helpers.tiny_models import (
+    TwoBranchNet,
+    bert_batch,
+    make_tiny_bert,
+    make_tiny_gpt2,
+    two_branch_batch,
+)
 
 
 class ConstantInputNorm(nn.Module):
@@ -175,6 +181,23 @@ def test_the_same_gradients_at_the_scale_the_doctor_names_are_healthy():
     )
     assert fixed.verdict is Verdict.HEALTHY
     assert fixed.underflow.underflow <= 0.01
+
+
+def test_gradient_fp16_flushes_at_every_usable_scale_is_bf16_or_fp32_not_a_loss_scale():
+    diagnosis = diagnose(TwoBranchNet(weak_factor=1e-9), two_branch_batch(), steps=2, loss_scale=1)
+    assert diagnosis.verdict is Verdict.GRADIENT_UNDERFLOW
+    reading = diagnosis.underflow
+    assert reading.unreachable > 0.4 and reading.fixable is False
+    assert diagnosis.culprit.startswith("weak.")
+    assert "bf16" in diagnosis.suggestion and "['weak.0', 'weak.2']" in diagnosis.suggestion
+    assert "loss_scale_init" not in diagnosis.suggestion  # no scale is offered as the fix
+    assert "at every usable scale" in str(diagnosis)
+
+
+def test_the_same_two_heads_at_equal_weight_are_healthy():
+    diagnosis = diagnose(TwoBranchNet(weak_factor=1.0), two_branch_batch(), steps=2, loss_scale=1)
+    assert diagnosis.verdict is Verdict.HEALTHY
+    assert diagnosis.underflow.unreachable == 0.0
 
 
 @pytest.mark.parametrize(

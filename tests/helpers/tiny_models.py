@@ -256,3 +256,37 @@ def save_tiny_bert_mlm(model_dir: Path, texts: list[str], model_max_length: int)
     BertForMaskedLM(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     return tokenizer
+
+
+class TwoBranchNet(torch.nn.Module):
+    """Two parallel MLP heads on the same features, the ``weak`` one's loss multiplied by
+    ``weak_factor``. The ``strong`` head's loss is summed over the batch on features 10x larger,
+    so its gradients set the highest loss scale that does not overflow; at ``weak_factor=1e-9``
+    the weak head's whole gradient sits below FP16's smallest subnormal even there (an FP32
+    backward finds it nonzero: half the model's gradient)."""
+
+    def __init__(self, weak_factor: float = 1e-9, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+
+        def head() -> torch.nn.Module:
+            return torch.nn.Sequential(
+                torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+            )
+
+        self.strong, self.weak = head(), head()
+        self.weak_factor = weak_factor
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        loss = torch.nn.functional.cross_entropy
+        strong = loss(self.strong(features * 10.0).float(), labels, reduction="sum")
+        weak = loss(self.weak(features).float(), labels)
+        return {"loss": strong + self.weak_factor * weak}
+
+
+def two_branch_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "features": torch.randn(64, 32, generator=g),
+        "labels": torch.randint(0, 4, (64,), generator=g),
+    }
