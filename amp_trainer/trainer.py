@@ -53,10 +53,10 @@ a full disk as one error without a half-written folder, rotation that spares ano
 checkpoints), ``_load_scaler`` (another precision, a missing ``scaler.pt``, overridden flags:
 said, not silent) and ``_load_from_checkpoint`` (the FP32 islands back from the checkpoint's
 config.json);
-``train`` itself only gains the finished-run check in front of stock ``train`` (and the
-training loss over every attempt after it). The step
-accounting needs one more, ``_load_callback_state`` (the resume position; see
-:mod:`amp_trainer.step_accounting`). Two more private
+``train`` itself only gains the finished-run check and, in RL, the rollout-precision check
+(:mod:`amp_trainer.precision_guard.rollout`) in front of stock ``train`` (and the training loss
+over every attempt after it). The step accounting needs one more, ``_load_callback_state``
+(the resume position; see :mod:`amp_trainer.step_accounting`). Two more private
 hooks save work, not correctness: ``_clip_grad_norm`` and ``_get_grad_norm``, where stock Trainer
 unscales and clips, do both in one pass (bit-identical; see
 :func:`~amp_trainer.accelerate_hooks.clip_grad_norm_in_one_pass`); a transformers without them
@@ -92,6 +92,7 @@ from amp_trainer.mismatch import PrecisionMismatchCallback
 from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
 from amp_trainer.precision_guard import PrecisionGuard, guard_run
+from amp_trainer.precision_guard.rollout import check_trainer_rollout
 from amp_trainer.scaler import DynamicLossScaler
 from amp_trainer.skip_streak_replay import SkipStreakReplay
 from amp_trainer.skip_streak_replay.for_trainer import replay_for_trainer
@@ -294,6 +295,7 @@ class AmpTrainerMixin(Trainer):
         self._apply_precision_policy(self.model)
         if hasattr(self, "callback_handler"):  # again for a hyperparameter-search trial
             self._place_loss_scale_monitor()
+        self.rollout_precision = check_trainer_rollout(self, before_engine=True)  # vLLM's
 
     def _tensorboard_under_output_dir(self) -> None:
         """Give TensorBoard's callback its folder now, under ``output_dir``.
@@ -543,6 +545,7 @@ class AmpTrainerMixin(Trainer):
         """
         self.jit_checkpoint = None
         self._follow_a_swapped_scaler()
+        self.rollout_precision = check_trainer_rollout(self)  # before step 1, engine now built
         checkpoint = self._checkpoints.start(resume_from_checkpoint)
         done = self._checkpoints.finished_run(checkpoint, load=self._load_from_checkpoint)
         if done is not None:

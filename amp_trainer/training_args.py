@@ -24,7 +24,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 
 from amp_trainer.forward_overflow import check_divergence_policy, check_policy
 from amp_trainer.precision import resolve_precision
-from amp_trainer.precision_guard import check_guard_mode
+from amp_trainer.precision_guard import check_guard_mode, check_rollout_mismatch_mode
 from amp_trainer.scaler import DynamicLossScaler
 from amp_trainer.skip_streak_replay import check_replay_arguments
 
@@ -222,6 +222,19 @@ class AmpTrainingArguments(TrainingArguments):
         },
     )
 
+    rollout_precision_mismatch: Literal["raise", "allow"] = field(
+        default="raise",
+        metadata={
+            "help": "RL (TRL GRPO/RLOO): what a rollout side sampling in another precision than "
+            "the trainer's does (vLLM's dtype, from its engine or server or, before it starts, "
+            "from the checkpoint's config by vLLM's 'auto' rule): 'raise' RolloutPrecisionError "
+            "before the first step (before vLLM is started where it can be known then), "
+            "'allow' the mismatch is intended: one warning, and a PrecisionMismatchCallback "
+            "measures the rollout precision's log-probability gap. Independent of "
+            "precision_guard."
+        },
+    )
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Note the fp16/bf16 flags a subclass instance was built with, before any __post_init__.
 
@@ -263,6 +276,7 @@ class AmpTrainingArguments(TrainingArguments):
         check_policy(self.on_forward_overflow)
         check_divergence_policy(self.on_divergence)
         check_guard_mode(self.precision_guard)
+        check_rollout_mismatch_mode(self.rollout_precision_mismatch)
         smoothing = self.label_smoothing_factor
         if not 0.0 <= smoothing <= 1.0:  # stock accepts nan: every loss NaN, every step skipped
             raise ValueError(f"label_smoothing_factor must be in [0, 1], got {smoothing!r}")

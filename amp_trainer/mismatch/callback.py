@@ -142,6 +142,15 @@ class PrecisionMismatchCallback(TrainerCallback):
         self._epsilon_high = 0.2
         self._temperature = 1.0
         self._warned: set[str] = set()
+        self._rollout: str | None = None
+
+    def measure_rollout(self, precision: str | None) -> None:
+        """Measure ``precision`` too: the rollout side's, allowed to differ from the trainer's
+        (``rollout_precision_mismatch="allow"``; :class:`~amp_trainer.AmpTrainerMixin` calls
+        this before training). Its ``mismatch/<precision>/...`` figures are the log-probability
+        gap of the rollouts to FP32; an FP32 rollout side is the reference itself, so the
+        trainer's precision is what is measured then. ``None``: no rollout precision of its own."""
+        self._rollout = None if precision is None else check_precisions(precision)[0]
 
     # -- wiring ------------------------------------------------------------------------------
     def attach(self, trainer: Any) -> PrecisionMismatchCallback:
@@ -174,6 +183,10 @@ class PrecisionMismatchCallback(TrainerCallback):
         else:
             wanted = {"fp16": ("fp16", "bf16"), "bf16": ("bf16", "fp16")}.get(run, ("fp16", "bf16"))
             self._active = tuple(p for p in wanted if self._runs_on(p, device))
+        rollout = run if self._rollout == "fp32" else self._rollout
+        if rollout is not None and rollout not in self._active and self._runs_on(rollout, device):
+            self._active = (*self._active, rollout)
+            logger.info("Precision mismatch: measuring %s too, the rollouts' precision", rollout)
         epsilon = self.clip_epsilon
         if epsilon is None:
             run_epsilon = getattr(args, "epsilon", None)  # GRPO's (and PPO's) clip range

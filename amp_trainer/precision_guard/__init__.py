@@ -44,7 +44,9 @@ Cost: one pass over the optimizer's parameters (and their state) per step, no de
 The package: :mod:`~amp_trainer.precision_guard.drift` (the modes, :class:`PrecisionDriftError`,
 :class:`Drift`), :mod:`~amp_trainer.precision_guard.tracking` (who changed a dtype: the
 ``Module._apply`` tracker and the forward pre-hook), :mod:`~amp_trainer.precision_guard.guard`
-(:class:`PrecisionGuard`: the expectations, the check, the repair).
+(:class:`PrecisionGuard`: the expectations, the check, the repair), and, checked once at the
+start of an RL run rather than at every step, :mod:`~amp_trainer.precision_guard.rollout` (the
+rollout side's precision against the trainer's: :func:`check_rollout_precision`).
 """
 
 from amp_trainer.precision_guard.drift import (
@@ -54,13 +56,31 @@ from amp_trainer.precision_guard.drift import (
     check_guard_mode,
 )
 from amp_trainer.precision_guard.guard import PrecisionGuard, guard_for, guard_run
+from amp_trainer.precision_guard.rollout import (
+    ROLLOUT_MISMATCH_MODES,
+    RolloutPrecision,
+    RolloutPrecisionError,
+    check_rollout_mismatch_mode,
+    check_rollout_precision,
+    check_trainer_rollout,
+    rollout_precision,
+    vllm_auto_precision,
+)
 
 __all__ = [
     "GUARD_MODES",
+    "ROLLOUT_MISMATCH_MODES",
     "Drift",
     "PrecisionDriftError",
     "PrecisionGuard",
+    "RolloutPrecision",
+    "RolloutPrecisionError",
     "check_guard_mode",
+    "check_rollout_mismatch_mode",
+    "check_rollout_precision",
+    "check_trainer_rollout",
     "guard_for",
     "guard_run",
+    "rollout_precision",
+    "vllm_auto_precision",
 ]

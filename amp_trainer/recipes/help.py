@@ -211,6 +211,17 @@ AMP_TRAINER_FLAGS: tuple[Flag, ...] = (
         "raise",
         choices=("raise", "repair", "warn", "off"),
     ),
+    Flag(
+        "rollout_precision_mismatch",
+        "RL (TRL GRPO/RLOO): what a rollout side sampling in another precision than the "
+        "trainer's does (vLLM's dtype, from its engine or server or, before it starts, from the"
+        " checkpoint's config by vLLM's 'auto' rule): 'raise' RolloutPrecisionError before the "
+        "first step (before vLLM is started where it can be known then), 'allow' the mismatch "
+        "is intended: one warning, and a PrecisionMismatchCallback measures the rollout "
+        "precision's log-probability gap. Independent of precision_guard.",
+        "raise",
+        choices=("raise", "allow"),
+    ),
 )
 
 #: The TrainingArguments flags a recipe user reaches for first, with transformers' defaults (a
