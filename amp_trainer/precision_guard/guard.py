@@ -202,7 +202,11 @@ class PrecisionGuard:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._checked_by_scaler is optimizer:  # checked a moment ago, before unscaling
             self._checked_by_scaler = None
-            return
+            # Trainer's on_pre_optimizer_step callbacks run between the unscale (at clipping)
+            # and the step: the plan's identity tests see what they changed. No plan: that
+            # check found drifts and acted on them already.
+            if self._plan is None or self._plan_holds():
+                return
         self.check(optimizer)
 
     def check_before_unscale(self, optimizer: torch.optim.Optimizer) -> list[Drift]:
@@ -271,10 +275,12 @@ class PrecisionGuard:
         for optimizer, state, entries, params in plan.optimizers:
             if optimizer.state is not state or len(state) != entries or _count(optimizer) != params:
                 return False
-        # A gradient always has its parameter's dtype (autograd accumulates in it, assignment
-        # refuses another): the parameters' dtypes answer for their gradients here.
+        # A gradient's dtype is checked too: autograd accumulates in the parameter's
+        # ``grad_dtype`` (settable since torch 2.10), and ``grad.data = grad.data.half()`` in a
+        # hook or a callback rebinds it with no check at all.
         for param, dtype in plan.params:
-            if param.dtype is not dtype:
+            grad = param.grad
+            if param.dtype is not dtype or (grad is not None and grad.dtype is not dtype):
                 return False
         for state, key, dtype in plan.states:
             value = state.get(key)
@@ -485,14 +491,14 @@ class PrecisionGuard:
                 if expected is not None and param.dtype is not expected:
                     self._casts.setdefault(id(param), Cast("an assignment to .data", None, False))
             self._undo_casts(only_no_grad=False)  # the weights, and their gradients with them
-            for _, param in trainable:
+            for name, param in trainable:
                 expected, grad = self._expected.get(id(param)), param.grad
                 if (
                     expected is not None
                     and grad is not None
                     and lower_precision(grad.dtype, expected)
                 ):
-                    param.grad = grad.to(expected)
+                    _put_grad_back(param, name, expected, self._say_once)
             done.append("master weights and gradients")
         if "optimizer state" in kinds:
             for param, key, value in list(self._moment_states()):
@@ -584,6 +590,26 @@ def _states(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, di
         entry = state.get(param)
         if entry:
             yield param, entry
+
+
+def _put_grad_back(param: torch.Tensor, name: str, expected: torch.dtype, say_once: Any) -> None:
+    """``param.grad`` cast back to ``expected``, and a ``grad_dtype`` (torch >= 2.10) lower than
+    ``expected`` set back to it: autograd would accumulate every later gradient in it, and
+    refuses the repaired gradient while it is set (and refuses a new ``grad_dtype`` while a
+    gradient of the old one is there, hence the order)."""
+    grad = param.grad
+    grad_dtype = getattr(param, "grad_dtype", None)
+    if grad_dtype is None or not lower_precision(grad_dtype, expected):
+        param.grad = grad.to(expected)
+        return
+    param.grad = None
+    param.grad_dtype = expected
+    param.grad = grad.to(expected)
+    say_once(
+        ("grad_dtype", name),
+        f"{name}.grad_dtype was {dtype_name(grad_dtype)}: set back to {dtype_name(expected)}, "
+        "so that its gradients accumulate in the master weights' precision again.",
+    )
 
 
 def _fsdp_policy(module: nn.Module) -> Any:
