@@ -62,6 +62,7 @@ from amp_trainer.forward_overflow import (
 from amp_trainer.islands import apply_fp32_policy
 from amp_trainer.precision import resolve_precision
 from amp_trainer.precision_guard import PrecisionGuard, check_guard_mode, guard_run
+from amp_trainer.precision_guard.fsdp_policy import guard_kwargs_for_accelerate
 from amp_trainer.scaler import DynamicLossScaler
 
 __all__ = ["AmpAccelerator", "clip_grad_norm_in_one_pass", "install_scaler"]
@@ -401,9 +402,12 @@ class AmpAccelerator(Accelerator):
         ):
             # The scaler checks with the first model's guard before it unscales; every guard
             # checks before its own optimizers' steps.
+            fsdp2 = self.distributed_type == DistributedType.FSDP and self.is_fsdp2
+            asked = guard_kwargs_for_accelerate(self.state, self._amp_precision, fsdp2)
             guard = guard_run(
-                model, self.precision_guard_mode, scaler, None, attach=not self.precision_guards
-            )
+                model, self.precision_guard_mode, scaler, None, attach=not self.precision_guards,
+                **asked,
+            )  # fmt: skip
             if guard is not None:
                 self.precision_guards.append(guard)
         if scaler is not None and scaler.is_enabled() and self.on_forward_overflow != "skip":

@@ -3,7 +3,7 @@
 A mixed-precision run is only as good as a few invariants set up at its start: the weights the
 optimizer updates (master weights) and its state stay FP32; gradients reach the optimizer in FP32;
 FP32 islands stay islands; FP16 forwards go with a loss scaler and a loss scaler with FP16
-forwards; an FSDP2 ``MixedPrecisionPolicy`` stays what it was. Each can be broken later, by code
+forwards; an FSDP2 ``MixedPrecisionPolicy`` is what was asked. Each can be broken later, by code
 that never says so: a generation helper that casts the policy with ``model.to(torch.float16)``
 and never back (TRL's continuous batching), a callback's ``model.half()`` for a quick
 evaluation, an FP16 ``torch.autocast`` with no scaler (gradients flush to zero, no error). The
@@ -43,7 +43,8 @@ Cost: one pass over the optimizer's parameters (and their state) per step, no de
 
 The package: :mod:`~amp_trainer.precision_guard.drift` (the modes, :class:`PrecisionDriftError`,
 :class:`Drift`), :mod:`~amp_trainer.precision_guard.tracking` (who changed a dtype: the
-``Module._apply`` tracker and the forward pre-hook), :mod:`~amp_trainer.precision_guard.guard`
+``Module._apply`` tracker and the forward pre-hook), :mod:`~amp_trainer.precision_guard.fsdp_policy`
+(FSDP2 ``MixedPrecisionPolicy`` against what was asked), :mod:`~amp_trainer.precision_guard.guard`
 (:class:`PrecisionGuard`: the expectations, the check, the repair), and, checked once at the
 start of an RL run rather than at every step, :mod:`~amp_trainer.precision_guard.rollout` (the
 rollout side's precision against the trainer's: :func:`check_rollout_precision`).

@@ -58,7 +58,8 @@ class Drift:
             return f"training forwards ran {self.seen}; expected {self.expected}"
         if self.kind == "FSDP2 MixedPrecisionPolicy":
             policy = f"the FSDP2 MixedPrecisionPolicy of {names}"
-            return f"{policy} is {self.seen}, set up as {self.expected}"
+            why = f" ({self.site})" if self.site else ""
+            return f"{policy} is {self.seen}, expected {self.expected}{why}"
         by = f", changed by {self.site}" if self.site else ""
         verb = "are" if len(self.tensors) != 1 else "is"
         return (

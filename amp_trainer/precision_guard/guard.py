@@ -19,6 +19,7 @@ from amp_trainer.precision_guard.drift import (
     dtype_name,
     lower_precision,
 )
+from amp_trainer.precision_guard.fsdp_policy import FsdpPolicies, PolicyAsk
 from amp_trainer.precision_guard.tracking import TRACKER, Cast, ForwardWatch
 
 __all__ = ["PrecisionGuard", "guard_for", "guard_run"]
@@ -49,6 +50,12 @@ class PrecisionGuard:
         scaler: the run's :class:`~amp_trainer.scaler.DynamicLossScaler`, if any: FP16 forwards
             are expected exactly when it is enabled.
         check_autocast: whether to watch the forwards' autocast (one pre-hook on one module).
+        fsdp_policy: the FSDP2 ``MixedPrecisionPolicy`` every ``fully_shard`` module was asked
+            to apply (its param, reduce and output dtypes are checked from the first step on);
+            ``None``: each module's policy when first seen is the expectation.
+        fsdp_policy_source: who asked for ``fsdp_policy`` (named in the error).
+        precision: the run's precision (``"fp16"``, ``"bf16"``): an FSDP2 policy in the other
+            16-bit dtype is a drift. ``None``: ``"fp16"`` where ``scaler`` is enabled.
     """
 
     def __init__(
@@ -58,6 +65,9 @@ class PrecisionGuard:
         mode: str = "raise",
         scaler: Any = None,
         check_autocast: bool = True,
+        fsdp_policy: Any = None,
+        fsdp_policy_source: str = "PrecisionGuard(fsdp_policy=...)",
+        precision: str | None = None,
     ) -> None:
         self.mode = check_guard_mode(mode)
         self.model = model
@@ -72,7 +82,9 @@ class PrecisionGuard:
         self._hooks: list[Any] = []
         self._said: set[tuple[str, str | None]] = set()
         self._islands: dict[str, nn.Module] = {}
-        self._fsdp: dict[str, tuple[nn.Module, Any]] = {}
+        if precision is None and scaler is not None and scaler.is_enabled():
+            precision = "fp16"
+        self._fsdp = FsdpPolicies(PolicyAsk(fsdp_policy, fsdp_policy_source, precision))
         self._checked_by_scaler: torch.optim.Optimizer | None = None
         self._forwards = self._fp16_forwards = 0
         self._check_autocast = check_autocast
@@ -96,9 +108,7 @@ class PrecisionGuard:
         for name, module in self.model.named_modules():
             if is_fp32_island(module):
                 self._islands.setdefault(name, module)
-            policy = _fsdp_policy(module)
-            if policy is not None:
-                self._fsdp.setdefault(name, (module, policy))
+            self._fsdp.watch(name, module)
         for key in [k for k, cast in self._casts.items() if cast.kept is None]:
             self._casts.pop(key)  # a cast already made good by hand: nothing to put back
         if self._check_autocast and not self._hooks:
@@ -202,7 +212,11 @@ class PrecisionGuard:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._checked_by_scaler is optimizer:  # checked a moment ago, before unscaling
             self._checked_by_scaler = None
-            return
+            # Trainer's on_pre_optimizer_step callbacks run between the unscale (at clipping)
+            # and the step: the plan's identity tests see what they changed. No plan: that
+            # check found drifts and acted on them already.
+            if self._plan is None or self._plan_holds():
+                return
         self.check(optimizer)
 
     def check_before_unscale(self, optimizer: torch.optim.Optimizer) -> list[Drift]:
@@ -228,7 +242,7 @@ class PrecisionGuard:
             self._undo_casts(only_no_grad=True)
         drifts = self._autocast_drifts()
         if self._fsdp:
-            drifts += self._fsdp_drifts()
+            drifts += self._fsdp.drifts()
         if not drifts and self._plan_holds():
             return drifts
         params = self._trainable()
@@ -271,10 +285,12 @@ class PrecisionGuard:
         for optimizer, state, entries, params in plan.optimizers:
             if optimizer.state is not state or len(state) != entries or _count(optimizer) != params:
                 return False
-        # A gradient always has its parameter's dtype (autograd accumulates in it, assignment
-        # refuses another): the parameters' dtypes answer for their gradients here.
+        # A gradient's dtype is checked too: autograd accumulates in the parameter's
+        # ``grad_dtype`` (settable since torch 2.10), and ``grad.data = grad.data.half()`` in a
+        # hook or a callback rebinds it with no check at all.
         for param, dtype in plan.params:
-            if param.dtype is not dtype:
+            grad = param.grad
+            if param.dtype is not dtype or (grad is not None and grad.dtype is not dtype):
                 return False
         for state, key, dtype in plan.states:
             value = state.get(key)
@@ -404,16 +420,6 @@ class PrecisionGuard:
             ]
         return []
 
-    def _fsdp_drifts(self) -> list[Drift]:
-        drifts = []
-        for name, (module, asked) in self._fsdp.items():
-            now = _fsdp_policy(module)
-            if now != asked:
-                drifts.append(
-                    Drift("FSDP2 MixedPrecisionPolicy", (name or "<model>",), str(now), str(asked))
-                )
-        return drifts
-
     # -- acting on it ------------------------------------------------------------------------
     def _undo_casts(self, *, only_no_grad: bool) -> None:
         """Put back the FP32 tensors a cast replaced: exact, since no step ran in between."""
@@ -474,6 +480,7 @@ class PrecisionGuard:
                 break
         if self.mode == "warn":
             self._casts.clear()  # the run goes on at the drifted dtypes: nothing to put back
+        self._fsdp.accept(drifts)  # no public call puts a policy back: said once, gone on with
 
     def _repair(self, drifts: list[Drift]) -> str:
         done = []
@@ -485,14 +492,14 @@ class PrecisionGuard:
                 if expected is not None and param.dtype is not expected:
                     self._casts.setdefault(id(param), Cast("an assignment to .data", None, False))
             self._undo_casts(only_no_grad=False)  # the weights, and their gradients with them
-            for _, param in trainable:
+            for name, param in trainable:
                 expected, grad = self._expected.get(id(param)), param.grad
                 if (
                     expected is not None
                     and grad is not None
                     and lower_precision(grad.dtype, expected)
                 ):
-                    param.grad = grad.to(expected)
+                    _put_grad_back(param, name, expected, self._say_once)
             done.append("master weights and gradients")
         if "optimizer state" in kinds:
             for param, key, value in list(self._moment_states()):
@@ -586,12 +593,21 @@ def _states(optimizer: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, di
             yield param, entry
 
 
-def _fsdp_policy(module: nn.Module) -> Any:
-    """``module``'s FSDP2 ``MixedPrecisionPolicy`` where ``fully_shard`` made it an FSDP module."""
-    get_state = getattr(module, "_get_fsdp_state", None)
-    if get_state is None:
-        return None
-    try:
-        return get_state()._mp_policy
-    except (AttributeError, RuntimeError, AssertionError):  # not sharded (yet)
-        return None
+def _put_grad_back(param: torch.Tensor, name: str, expected: torch.dtype, say_once: Any) -> None:
+    """``param.grad`` cast back to ``expected``, and a ``grad_dtype`` (torch >= 2.10) lower than
+    ``expected`` set back to it: autograd would accumulate every later gradient in it, and
+    refuses the repaired gradient while it is set (and refuses a new ``grad_dtype`` while a
+    gradient of the old one is there, hence the order)."""
+    grad = param.grad
+    grad_dtype = getattr(param, "grad_dtype", None)
+    if grad_dtype is None or not lower_precision(grad_dtype, expected):
+        param.grad = grad.to(expected)
+        return
+    param.grad = None
+    param.grad_dtype = expected
+    param.grad = grad.to(expected)
+    say_once(
+        ("grad_dtype", name),
+        f"{name}.grad_dtype was {dtype_name(grad_dtype)}: set back to {dtype_name(expected)}, "
+        "so that its gradients accumulate in the master weights' precision again.",
+    )
