@@ -91,8 +91,8 @@ from amp_trainer.loss_scale_monitor import LossScaleMonitor
 from amp_trainer.mismatch import PrecisionMismatchCallback
 from amp_trainer.overflow_step_loss import OverflowStepLoss
 from amp_trainer.precision import cast_trainable_params_to_fp32, resolve_precision
-from amp_trainer.precision_guard import PrecisionGuard, guard_run
-from amp_trainer.precision_guard.fsdp_policy import guard_kwargs_for_accelerate
+from amp_trainer.precision_guard import PrecisionGuard
+from amp_trainer.precision_guard.guard import guard_for_trainer
 from amp_trainer.precision_guard.rollout import check_trainer_rollout
 from amp_trainer.scaler import DynamicLossScaler
 from amp_trainer.skip_streak_replay import SkipStreakReplay
@@ -429,15 +429,10 @@ class AmpTrainerMixin(Trainer):
         self._apply_precision_policy(self.model if model is None else model)
         # before transformers 5.3, create_optimizer(self) takes no model
         optimizer = super().create_optimizer(*(() if model is None else (model,)))
-        mode = (
-            "off" if self.is_deepspeed_enabled else getattr(self.args, "precision_guard", "raise")
+        self.precision_guard = guard_for_trainer(self, self.model if model is None else model)
+        self.precision_guard = self.precision_guard and self.precision_guard.watch_optimizer(
+            optimizer
         )
-        fsdp2 = self.is_fsdp_enabled and getattr(self.accelerator, "is_fsdp2", False)
-        guard = guard_run(
-            self.model if model is None else model, mode, self.loss_scaler, self.precision_guard,
-            **guard_kwargs_for_accelerate(self.accelerator.state, self.precision, fsdp2),
-        )  # fmt: skip
-        self.precision_guard = guard and guard.watch_optimizer(optimizer)
         return optimizer
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:

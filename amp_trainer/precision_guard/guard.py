@@ -19,7 +19,11 @@ from amp_trainer.precision_guard.drift import (
     dtype_name,
     lower_precision,
 )
-from amp_trainer.precision_guard.fsdp_policy import FsdpPolicies, PolicyAsk
+from amp_trainer.precision_guard.fsdp_policy import (
+    FsdpPolicies,
+    PolicyAsk,
+    guard_kwargs_for_accelerate,
+)
 from amp_trainer.precision_guard.tracking import TRACKER, Cast, ForwardWatch
 
 __all__ = ["PrecisionGuard", "guard_for", "guard_run"]
@@ -571,6 +575,18 @@ def guard_run(
         scaler.precision_guard = guard
         scaler.precision_guard_off = guard is None  # watch(model) builds none after this
     return guard
+
+
+def guard_for_trainer(trainer: Any, model: nn.Module) -> PrecisionGuard | None:
+    """The guard an :class:`~amp_trainer.AmpTrainerMixin` keeps for the model its optimizer is
+    built for: its ``precision_guard`` mode (off under DeepSpeed, whose own FP16 engine keeps
+    FP16 weights on purpose), the run's precision, and under Accelerate's FSDP2 the policy its
+    plugin asked for."""
+    deepspeed = trainer.is_deepspeed_enabled
+    mode = "off" if deepspeed else getattr(trainer.args, "precision_guard", "raise")
+    fsdp2 = trainer.is_fsdp_enabled and getattr(trainer.accelerator, "is_fsdp2", False)
+    kwargs = guard_kwargs_for_accelerate(trainer.accelerator.state, trainer.precision, fsdp2)
+    return guard_run(model, mode, trainer.loss_scaler, trainer.precision_guard, **kwargs)
 
 
 def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
