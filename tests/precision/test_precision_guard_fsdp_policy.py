@@ -68,7 +68,7 @@ def test_a_bf16_policy_in_an_fp16_run_is_a_drift_and_fp32_in_either_is_not():
 def test_accelerates_fsdp2_plugin_policy_is_what_the_guard_is_asked_to_check():
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
-        mixed_precision_policy={"param_dtype": torch.float16, "reduce_dtype": torch.float32},
+        mixed_precision_policy=FP16,  # accelerate 1.10 takes a dict only with all three keys
     )
     state = type("State", (), {"fsdp_plugin": plugin})()
     kwargs = guard_kwargs_for_accelerate(state, "fp16", fsdp2=True)
