@@ -48,8 +48,8 @@ def test_healthy_model_is_diagnosed_healthy():
 def test_a_loss_scale_that_starts_too_high_is_the_scalers_warm_down_not_a_failure():
     """At 2**20 the tiny GPT-2's first backward overflows three times (2**20 -> 2**17) before
     an update applies, as in a training run's first steps; the stage then takes its two steps.
-    Two skips used to fill a two-step stage and read as "non-finite at step 0" (UNRESOLVED;
-    a real Wav2Vec2-CTC with skips at 65536 and 32768 read as a learning-rate problem)."""
+    Counted as steps, those skips would fill a two-step stage and read as "non-finite at step 0"
+    (a Wav2Vec2-CTC head skips at 65536 and 32768 the same way)."""
     batch = {**bert_batch(), "labels": bert_batch()["input_ids"]}
     diagnosis = diagnose(make_tiny_gpt2(), batch, steps=2, loss_scale=2.0**20)
     assert diagnosis.verdict is Verdict.HEALTHY, diagnosis.explanation

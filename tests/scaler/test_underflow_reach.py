@@ -1,4 +1,4 @@
-"""The meter's blind spot (#37): gradient FP16 flushes at every usable loss scale is zero at both
+"""The meter's blind spot: gradient FP16 flushes at every usable loss scale is zero at both
 of the meter's scales, so the flushed share cannot see it. The probe past the first overflowing
 scale does: those elements are named, and no loss scale is offered as their fix. And a capped
 headroom never promises a doubling that overflows."""
@@ -112,7 +112,7 @@ def _finite_at(loss: torch.Tensor, model: nn.Module, scale: float) -> bool:
 def test_a_capped_headroom_never_promises_a_doubling_that_overflows():
     model, loss = _activation_capped()
     reading = measure_underflow(loss, model, 1.0)
-    assert not _finite_at(loss, model, 2.0**38)  # the figure #37 saw: 38.0 where 2**38 overflows
+    assert not _finite_at(loss, model, 2.0**38)  # one doubling under the first overflow
     assert reading.headroom != 38.0
     # Exact in whole doublings: the headroom's floor is finite, one more doubling is not.
     doublings = math.floor(reading.headroom)

@@ -9,7 +9,6 @@ metrics, and a checkpoint taken mid-run resumes to the uninterrupted run's param
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import shutil
@@ -18,30 +17,15 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from tests.helpers.tiny_models import COLOURS, THINGS, colour_bpe_tokenizer, tiny_gpt2_for
+from tests.helpers.tiny_models import THINGS, colour_bpe_tokenizer, tiny_gpt2_for
 from tests.helpers.training import InjectOverflow, tiny_training_args, train_logs
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
 from datasets import Dataset  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from amp_trainer import AmpTrainerMixin, AmpTrainingArguments  # noqa: E402
+from tests.helpers.grpo import AmpGRPOConfig, AmpGRPOTrainer, says_a_colour  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@dataclasses.dataclass
-class AmpGRPOConfig(AmpTrainingArguments, GRPOConfig):
-    pass
-
-
-class AmpGRPOTrainer(AmpTrainerMixin, GRPOTrainer):
-    pass
-
-
-def says_a_colour(completions: list[str], **kwargs) -> list[float]:
-    """Rule-based reward: one point per colour word, a little less for longer answers."""
-    return [sum(c in text for c in COLOURS) - 0.01 * len(text) for text in completions]
 
 
 @pytest.fixture

@@ -10,36 +10,21 @@ were when the step began: the update is the one the run without the cast would m
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
 import torch
 from transformers import TrainerCallback
 
-from tests.helpers.tiny_models import COLOURS, THINGS, colour_bpe_tokenizer, tiny_gpt2_for
+from tests.helpers.tiny_models import THINGS, colour_bpe_tokenizer, tiny_gpt2_for
 from tests.helpers.training import tiny_training_args
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
 from datasets import Dataset  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from amp_trainer import AmpTrainerMixin, AmpTrainingArguments  # noqa: E402
+from tests.helpers.grpo import AmpGRPOConfig, AmpGRPOTrainer, says_a_colour  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@dataclasses.dataclass
-class AmpGRPOConfig(AmpTrainingArguments, GRPOConfig):
-    pass
-
-
-class AmpGRPOTrainer(AmpTrainerMixin, GRPOTrainer):
-    pass
-
-
-def says_a_colour(completions: list[str], **kwargs) -> list[float]:
-    return [sum(c in text for c in COLOURS) - 0.01 * len(text) for text in completions]
 
 
 class MasterWeightsAtEachStep(TrainerCallback):

@@ -12,44 +12,31 @@ synced into it) and samples with transformers' ``generate``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
 import torch
 
-from tests.helpers.tiny_models import COLOURS, THINGS, colour_bpe_tokenizer, tiny_gpt2_for
+from tests.helpers.tiny_models import THINGS, colour_bpe_tokenizer, tiny_gpt2_for
 from tests.helpers.training import tiny_training_args, train_logs
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import GRPOConfig  # noqa: E402
 
-from amp_trainer import AmpTrainerMixin, AmpTrainingArguments  # noqa: E402
+from amp_trainer import AmpTrainingArguments  # noqa: E402
 from amp_trainer.mismatch import PrecisionMismatchCallback  # noqa: E402
 from amp_trainer.precision_guard import (  # noqa: E402
     RolloutPrecisionError,
     rollout_precision,
     vllm_auto_precision,
 )
+from tests.helpers.grpo import AmpGRPOConfig, AmpGRPOTrainer, says_a_colour  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 GUARD_LOGGER = "amp_trainer.precision_guard"
-
-
-@dataclasses.dataclass
-class AmpGRPOConfig(AmpTrainingArguments, GRPOConfig):
-    pass
-
-
-class AmpGRPOTrainer(AmpTrainerMixin, GRPOTrainer):
-    pass
-
-
-def says_a_colour(completions: list[str], **kwargs) -> list[float]:
-    return [sum(c in text for c in COLOURS) - 0.01 * len(text) for text in completions]
 
 
 @pytest.fixture
