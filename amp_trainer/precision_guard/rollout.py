@@ -11,8 +11,7 @@ choice but a default nobody sees:
   checkpoint in bf16 on Ampere and newer GPUs and on CPUs (fp16 before Ampere), a bf16
   checkpoint in bf16, an fp16 one in fp16: bf16 rollouts under an fp16 trainer, without a word;
 * a vLLM server (``trl vllm-serve``) runs the ``--dtype`` it was started with (``"auto"``: the
-  same rule), which the trainer learns only from the server's own report;
-* OpenRLHF hard-codes bf16 rollouts while offering ``--model_data_type fp16``.
+  same rule), which the trainer learns only from the server's own report.
 
 :func:`rollout_precision` finds the rollout side's precision from what the trainer was given
 (:func:`vllm_auto_precision` is vLLM's own ``"auto"`` rule, so the answer exists before the
